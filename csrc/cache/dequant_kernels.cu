@@ -1,0 +1,90 @@
+// CUDA kernel of dequantize_k_cache_paged: one token per warp, lane l produces output dims
+// [16l, 16l+16). Invalid slots give +0.0 rows; NaNs are written as the canonical 0x7FC0.
+#include "cache_launch.h"
+#include "dsv4/launch.cuh"
+#include "dsv4/quant.cuh"
+#include "dsv4/vec_io.cuh"
+
+namespace dsv4 {
+
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+constexpr int kLaneDims = kMainDim / 32;
+constexpr int kRopeFirstLane = kV4NopeDim / kLaneDims;
+
+template <KVLayout L>
+__device__ __forceinline__ void dequant_lane(const uint8_t* data, const uint8_t* scale, int lane,
+                                             uint16_t* out) {
+  if constexpr (L == KVLayout::V41_FP4) {
+    const uint2 codes = __ldg(reinterpret_cast<const uint2*>(data + 8 * lane));
+    const float s = e4m3_decode(__ldg(scale + lane));
+#pragma unroll
+    for (int i = 0; i < kLaneDims; ++i) {
+      const uint32_t word = i < 8 ? codes.x : codes.y;
+      const uint8_t code = uint8_t((word >> (4 * (i % 8))) & 0xF);
+      out[i] = f32_to_bf16_canonical(e2m1_decode(code) * s);
+    }
+  } else {
+    if (L == KVLayout::V4 && lane >= kRopeFirstLane) {
+      // Stored bf16 RoPE dims are copied verbatim.
+      const uint4* src = reinterpret_cast<const uint4*>(data + kV4NopeDim + 32 * (lane - kRopeFirstLane));
+      const uint4 a = __ldg(src), b = __ldg(src + 1);
+      const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        out[2 * k] = uint16_t(w[k] & 0xFFFF);
+        out[2 * k + 1] = uint16_t(w[k] >> 16);
+      }
+      return;
+    }
+    constexpr int kLanesPerTile = LayoutTraits<L>::kTile / kLaneDims;
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(data + 16 * lane));
+    const float s = ue8m0_to_f32(__ldg(scale + lane / kLanesPerTile));
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float lo, hi;
+      e4m3x2_decode(uint16_t(w[k / 2] >> (16 * (k % 2))), lo, hi);
+      out[2 * k] = f32_to_bf16_canonical(lo * s);
+      out[2 * k + 1] = f32_to_bf16_canonical(hi * s);
+    }
+  }
+}
+
+template <KVLayout L>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) dequant_kernel(DequantParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  pdl_wait_dependencies();
+  if (token >= p.n) return;
+  const int64_t slot = p.slots[token];
+  uint16_t out[kLaneDims];
+  if (p.cache.valid(slot)) {
+    dequant_lane<L>(p.cache.data_row(slot), p.cache.scale_row(slot), lane, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kLaneDims; ++i) out[i] = 0;
+  }
+  pdl_launch_dependents();
+  store_u16<kLaneDims>(p.out + token * p.out_row_stride + lane * kLaneDims, out);
+}
+
+template <KVLayout L>
+void launch_dequant(const DequantParams& p, cudaStream_t stream) {
+  const dim3 grid(unsigned((p.n + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  launch_kernel(dequant_kernel<L>, grid, dim3(kWarpsPerBlock * 32), 0, stream,
+                "dequantize_k_cache_paged", p);
+}
+
+}  // namespace
+
+void dequantize_cuda(KVLayout layout, const DequantParams& p, cudaStream_t stream) {
+  switch (layout) {
+    case KVLayout::V4: launch_dequant<KVLayout::V4>(p, stream); break;
+    case KVLayout::V41: launch_dequant<KVLayout::V41>(p, stream); break;
+    case KVLayout::V41_FP4: launch_dequant<KVLayout::V41_FP4>(p, stream); break;
+  }
+}
+
+}  // namespace dsv4

@@ -1,0 +1,66 @@
+// The single schema list of torch.ops.dsv4 and the registration of every implementation.
+// Each op has one host function that validates its arguments and dispatches on the device of its
+// tensors, so the same function is registered for CPU and CUDA. Fakes live in sgl_dsv4_kernels/_fake.py.
+#include <Python.h>
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+using torch::stable::Tensor;
+
+namespace dsv4 {
+// KV I/O (csrc/cache/)
+std::vector<int64_t> kv_layout_traits_op(int64_t layout);
+std::vector<int64_t> indexer_format_traits_op(int64_t fmt);
+std::vector<int64_t> page_geometry_op(std::string format, int64_t page_size);
+void fused_store_cache(Tensor input, Tensor cache, Tensor indices, int64_t page_size, std::string type,
+                       int64_t layout, bool use_fp4, std::optional<Tensor> freqs_cis);
+Tensor dequantize_k_cache_paged(Tensor cache, Tensor slots, int64_t page_size, int64_t layout);
+void dequantize_k_cache_paged_out(Tensor cache, Tensor slots, int64_t page_size, int64_t layout,
+                                  Tensor out);
+Tensor fake_quant_compressed_kv(Tensor x);
+Tensor fake_quant_fp4(Tensor x, int64_t block_size);
+}  // namespace dsv4
+
+STABLE_TORCH_LIBRARY(dsv4, m) {
+  // ---- KV layouts (introspection) ----
+  m.def("kv_layout_traits(int layout) -> int[]");
+  m.def("indexer_format_traits(int fmt) -> int[]");
+  m.def("page_geometry(str format, int page_size) -> int[]");
+  // ---- KV I/O ----
+  m.def("fused_store_cache(Tensor input, Tensor(a!) cache, Tensor indices, *, int page_size, "
+        "str type=\"flashmla\", int layout=0, bool use_fp4=False, Tensor? freqs_cis=None) -> ()");
+  m.def("dequantize_k_cache_paged(Tensor cache, Tensor slots, int page_size, int layout=0) -> Tensor");
+  m.def("dequantize_k_cache_paged.out(Tensor cache, Tensor slots, int page_size, int layout=0, *, "
+        "Tensor(a!) out) -> ()");
+  m.def("fake_quant_compressed_kv(Tensor x) -> Tensor");
+  m.def("fake_quant_fp4(Tensor x, *, int block_size=32) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
+  m.impl("kv_layout_traits", TORCH_BOX(&dsv4::kv_layout_traits_op));
+  m.impl("indexer_format_traits", TORCH_BOX(&dsv4::indexer_format_traits_op));
+  m.impl("page_geometry", TORCH_BOX(&dsv4::page_geometry_op));
+}
+
+// Tensor ops: one host function per op, registered for both backends.
+#define DSV4_REGISTER_TENSOR_OPS(m)                                                       \
+  m.impl("fused_store_cache", TORCH_BOX(&dsv4::fused_store_cache));                       \
+  m.impl("dequantize_k_cache_paged", TORCH_BOX(&dsv4::dequantize_k_cache_paged));         \
+  m.impl("dequantize_k_cache_paged.out", TORCH_BOX(&dsv4::dequantize_k_cache_paged_out)); \
+  m.impl("fake_quant_compressed_kv", TORCH_BOX(&dsv4::fake_quant_compressed_kv));         \
+  m.impl("fake_quant_fp4", TORCH_BOX(&dsv4::fake_quant_fp4));
+
+STABLE_TORCH_LIBRARY_IMPL(dsv4, CPU, m) { DSV4_REGISTER_TENSOR_OPS(m) }
+STABLE_TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { DSV4_REGISTER_TENSOR_OPS(m) }
+
+// An empty module: importing sgl_dsv4_kernels._C runs the static registrations above.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
+                                   nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&module_def);
+}

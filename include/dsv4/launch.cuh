@@ -1,0 +1,55 @@
+// Kernel launch with programmatic dependent launch (PDL) on sm_90+, and the device-side grid
+// dependency controls. SGL_DSV4_PDL=0 (read once per process) turns PDL off; results are identical.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace dsv4 {
+
+// Wait until the grids this launch depends on have completed (their writes are visible).
+__device__ __forceinline__ void pdl_wait_dependencies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the next grid on the stream start its prologue; it still waits for our completion.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+bool pdl_enabled_for_current_device();
+
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("dsv4: ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
+// Launches `kernel` on `stream`, with programmatic stream serialization where supported.
+template <typename... KernelArgs, typename... Args>
+void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, const char* name, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  if (pdl_enabled_for_current_device()) {
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
+  check_cuda(cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...), name);
+}
+
+}  // namespace dsv4

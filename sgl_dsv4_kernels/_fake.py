@@ -1,0 +1,160 @@
+"""Fake (meta) implementations of every tensor op in torch.ops.dsv4.
+
+Each fake runs the metadata half of its host launcher's validation with ``torch._check`` (dtypes,
+devices, ranks, sizes, strides, integer arguments; never data pointers or values) and returns
+outputs of the right shape, so the ops trace under ``torch.compile`` and ``opcheck``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_layout import IndexerFormat, KVLayout
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+_MAIN_DIM = 512
+_INDEXER_DIM = 128
+_ROPE_DIM = 64
+
+
+def _register(name):
+    def wrap(fn):
+        if hasattr(torch.ops.dsv4, name.split(".")[0]):
+            torch.library.register_fake(f"dsv4::{name}")(fn)
+        return fn
+
+    return wrap
+
+
+def _msg(op, text):
+    return lambda: f"dsv4.{op}: {text}"
+
+
+def check_same_device(op, name, t, ref):
+    torch._check(t.device == ref.device, _msg(op, f"{name} must be on {ref.device}, got {t.device}"))
+
+
+def check_index_vector(op, name, t, ref):
+    check_same_device(op, name, t, ref)
+    torch._check(t.dtype in _INDEX_DTYPES, _msg(op, f"{name} must be int32 or int64, got {t.dtype}"))
+    torch._check(t.dim() == 1, _msg(op, f"{name} must be 1-D, got {t.dim()}-D"))
+    torch._check(t.numel() <= 1 or t.stride(0) == 1, _msg(op, f"{name} must be contiguous"))
+
+
+def check_activation(op, name, t, width, ref):
+    check_same_device(op, name, t, ref)
+    torch._check(t.dtype in _ACTIVATION_DTYPES, _msg(op, f"{name} must be bfloat16 or float32, got {t.dtype}"))
+    torch._check(t.dim() == 2, _msg(op, f"{name} must be 2-D, got {t.dim()}-D"))
+    torch._check(t.size(1) == width, _msg(op, f"{name} must have {width} columns"))
+    torch._check(t.size(0) <= 1 or t.stride(0) >= width, _msg(op, f"{name} row stride overlaps rows"))
+    torch._check(t.stride(1) == 1, _msg(op, f"{name} must have stride(1) == 1"))
+
+
+def check_page_size(op, page_size):
+    torch._check(
+        1 <= page_size <= 1024 and (page_size & (page_size - 1)) == 0,
+        _msg(op, f"page_size must be a power of two in [1, 1024], got {page_size}"),
+    )
+
+
+def check_cache(op, name, cache, fmt, page_size, align):
+    """Metadata part of the cache tensor rule (kv-layouts-and-quant.md §2); alignment of the
+    data pointer is checked by the real op only."""
+    check_page_size(op, page_size)
+    torch._check(cache.dtype == torch.uint8, _msg(op, f"{name} must be uint8, got {cache.dtype}"))
+    torch._check(cache.dim() == 2, _msg(op, f"{name} must be 2-D, got {cache.dim()}-D"))
+    torch._check(cache.stride(1) == 1, _msg(op, f"{name} must have stride(1) == 1"))
+    need = fmt.page_bytes(page_size)
+    torch._check(cache.size(1) >= need, _msg(op, f"{name} rows must hold at least {need} bytes"))
+    if cache.size(0) >= 2:
+        torch._check(cache.stride(0) >= cache.size(1), _msg(op, f"{name} stride(0) is smaller than its width"))
+        torch._check(cache.stride(0) % align == 0, _msg(op, f"{name} stride(0) must be a multiple of {align}"))
+
+
+def check_layout(op, layout):
+    torch._check(layout in (0, 1, 2), _msg(op, f"layout must be a KVLayout id (0, 1, 2), got {layout}"))
+    return KVLayout(layout)
+
+
+@_register("fused_store_cache")
+def _fused_store_cache(input, cache, indices, *, page_size, type="flashmla", layout=0, use_fp4=False,
+                       freqs_cis=None):
+    op = "fused_store_cache"
+    torch._check(type in ("flashmla", "indexer"), _msg(op, f'type must be "flashmla" or "indexer", got "{type}"'))
+    kv_layout = check_layout(op, layout)
+    indexer = type == "indexer"
+    if indexer:
+        torch._check(layout == 0, _msg(op, f'layout must be 0 (V4) when type="indexer", got {layout}'))
+        torch._check(freqs_cis is None, _msg(op, 'freqs_cis must be None when type="indexer"'))
+        fmt, align, width = (IndexerFormat.FP4 if use_fp4 else IndexerFormat.FP8), 4, _INDEXER_DIM
+    else:
+        torch._check(not use_fp4, _msg(op, 'use_fp4=True requires type="indexer"'))
+        fmt, align, width = kv_layout, 16, _MAIN_DIM
+    check_cache(op, "cache", cache, fmt, page_size, align)
+    check_activation(op, "input", input, width, cache)
+    check_index_vector(op, "indices", indices, cache)
+    torch._check(indices.size(0) == input.size(0), _msg(op, "indices must have one entry per input row"))
+    if freqs_cis is not None:
+        torch._check(kv_layout != KVLayout.V4, _msg(op, "freqs_cis requires layout V41 or V41_FP4"))
+        check_same_device(op, "freqs_cis", freqs_cis, cache)
+        torch._check(freqs_cis.dtype == torch.float32, _msg(op, "freqs_cis must be float32"))
+        torch._check(freqs_cis.dim() == 2, _msg(op, "freqs_cis must be 2-D"))
+        torch._check(
+            freqs_cis.size(0) == input.size(0) and freqs_cis.size(1) == _ROPE_DIM,
+            _msg(op, f"freqs_cis must be [N, {_ROPE_DIM}]"),
+        )
+        torch._check(freqs_cis.is_contiguous(), _msg(op, "freqs_cis must be contiguous"))
+    return None
+
+
+def _check_dequant(op, cache, slots, page_size, layout):
+    kv_layout = check_layout(op, layout)
+    check_cache(op, "cache", cache, kv_layout, page_size, 16)
+    check_index_vector(op, "slots", slots, cache)
+
+
+@_register("dequantize_k_cache_paged")
+def _dequantize_k_cache_paged(cache, slots, page_size, layout=0):
+    _check_dequant("dequantize_k_cache_paged", cache, slots, page_size, layout)
+    return cache.new_empty((slots.size(0), 1, _MAIN_DIM), dtype=torch.bfloat16)
+
+
+@_register("dequantize_k_cache_paged.out")
+def _dequantize_k_cache_paged_out(cache, slots, page_size, layout=0, *, out):
+    op = "dequantize_k_cache_paged"
+    _check_dequant(op, cache, slots, page_size, layout)
+    n = slots.size(0)
+    check_same_device(op, "out", out, cache)
+    torch._check(out.dtype == torch.bfloat16, _msg(op, f"out must be bfloat16, got {out.dtype}"))
+    torch._check(out.dim() == 3, _msg(op, f"out must be 3-D, got {out.dim()}-D"))
+    torch._check(
+        out.size(0) == n and out.size(1) == 1 and out.size(2) == _MAIN_DIM,
+        _msg(op, f"out must be [N, 1, {_MAIN_DIM}]"),
+    )
+    torch._check(out.stride(2) == 1, _msg(op, "out must have stride(2) == 1"))
+    torch._check(n <= 1 or out.stride(0) >= _MAIN_DIM, _msg(op, f"out stride(0) must be >= {_MAIN_DIM}"))
+    return None
+
+
+def _check_fake_quant(op, x, block_size):
+    torch._check(
+        x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+        _msg(op, f"x must be bfloat16, float16 or float32, got {x.dtype}"),
+    )
+    torch._check(x.dim() >= 1, _msg(op, "x must have rank >= 1, got a 0-d tensor"))
+    torch._check(x.dim() <= 9, _msg(op, "x must have rank <= 9"))
+    torch._check(x.size(-1) <= 1 or x.stride(-1) == 1, _msg(op, "x must have stride(-1) == 1"))
+    torch._check(x.size(-1) % block_size == 0, _msg(op, f"x.size(-1) must be a multiple of {block_size}"))
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_register("fake_quant_compressed_kv")
+def _fake_quant_compressed_kv(x):
+    return _check_fake_quant("fake_quant_compressed_kv", x, KVLayout.V41_FP4.tile_size)
+
+
+@_register("fake_quant_fp4")
+def _fake_quant_fp4(x, *, block_size=32):
+    op = "fake_quant_fp4"
+    torch._check(block_size in (16, 32, 64, 128), _msg(op, f"block_size must be 16, 32, 64 or 128, got {block_size}"))
+    return _check_fake_quant(op, x, block_size)
