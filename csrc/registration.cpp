@@ -24,6 +24,12 @@ void dequantize_k_cache_paged_out(Tensor cache, Tensor slots, int64_t page_size,
                                   Tensor out);
 Tensor fake_quant_compressed_kv(Tensor x);
 Tensor fake_quant_fp4(Tensor x, int64_t block_size);
+// Norm + RoPE writers (csrc/cache/writers_ops.cpp)
+void fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, double eps, Tensor freqs, Tensor positions,
+                                Tensor out_loc, Tensor kvcache, int64_t page_size, int64_t layout);
+void compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, double norm_eps, Tensor freqs,
+                              Tensor out_loc, Tensor kvcache, int64_t page_size, int64_t compress_ratio,
+                              bool is_decode, int64_t layout, bool use_fp4);
 }  // namespace dsv4
 
 STABLE_TORCH_LIBRARY(dsv4, m) {
@@ -39,6 +45,12 @@ STABLE_TORCH_LIBRARY(dsv4, m) {
         "Tensor(a!) out) -> ()");
   m.def("fake_quant_compressed_kv(Tensor x) -> Tensor");
   m.def("fake_quant_fp4(Tensor x, *, int block_size=32) -> Tensor");
+  // ---- norm + RoPE writers ----
+  m.def("fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, float eps, Tensor freqs, Tensor positions, "
+        "Tensor out_loc, Tensor(a!) kvcache, *, int page_size, int layout=0) -> ()");
+  m.def("compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float norm_eps, Tensor freqs, "
+        "Tensor out_loc, Tensor(a!) kvcache, *, int page_size, int compress_ratio, bool is_decode, "
+        "int layout=0, bool use_fp4=False) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
@@ -53,7 +65,9 @@ STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
   m.impl("dequantize_k_cache_paged", TORCH_BOX(&dsv4::dequantize_k_cache_paged));         \
   m.impl("dequantize_k_cache_paged.out", TORCH_BOX(&dsv4::dequantize_k_cache_paged_out)); \
   m.impl("fake_quant_compressed_kv", TORCH_BOX(&dsv4::fake_quant_compressed_kv));         \
-  m.impl("fake_quant_fp4", TORCH_BOX(&dsv4::fake_quant_fp4));
+  m.impl("fake_quant_fp4", TORCH_BOX(&dsv4::fake_quant_fp4));                             \
+  m.impl("fused_k_norm_rope_flashmla", TORCH_BOX(&dsv4::fused_k_norm_rope_flashmla));     \
+  m.impl("compress_norm_rope_store", TORCH_BOX(&dsv4::compress_norm_rope_store));
 
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CPU, m) { DSV4_REGISTER_TENSOR_OPS(m) }
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { DSV4_REGISTER_TENSOR_OPS(m) }
