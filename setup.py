@@ -25,6 +25,8 @@ CPP_SOURCES = [
     "csrc/cache/fake_quant_cpu.cpp",
     "csrc/cache/writers_ops.cpp",
     "csrc/cache/writers_cpu.cpp",
+    "csrc/compress/low_ratio_ops.cpp",
+    "csrc/compress/low_ratio_cpu.cpp",
 ]
 
 # Kernels and their plain-C++ launchers (nvcc; no torch headers).
@@ -34,6 +36,7 @@ CUDA_SOURCES = [
     "csrc/cache/dequant_kernels.cu",
     "csrc/cache/fake_quant_kernels.cu",
     "csrc/cache/writers_kernels.cu",
+    "csrc/compress/low_ratio_kernels.cu",
 ]
 
 # libtorch stable ABI 2.10. torch.utils.cpp_extension adds the Python limited API define itself
