@@ -12,6 +12,7 @@ from .cache import (
     fake_quant_fp4,
     fused_store_cache,
 )
+from .compress import c1_decode_norm_rope_store, c2_decode_or_verify_norm_rope_store, state_ring_size
 from .kv_layout import IndexerFormat, KVLayout, is_valid_kv_layout_pair
 from .rope import precompute_freqs_cis, precompute_rope_table, rope_table_from_freqs_cis
 from .writers import compress_norm_rope_store, fused_k_norm_rope_flashmla
@@ -29,4 +30,7 @@ __all__ = [
     "precompute_freqs_cis",
     "rope_table_from_freqs_cis",
     "precompute_rope_table",
+    "state_ring_size",
+    "c1_decode_norm_rope_store",
+    "c2_decode_or_verify_norm_rope_store",
 ]

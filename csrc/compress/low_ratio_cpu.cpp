@@ -70,15 +70,16 @@ void c2_decode_or_verify_cpu(KVLayout layout, const LowRatioParams& p) {
   float w[kMainDim], own[kPairRowWidth], partner[kPairRowWidth], x[kMainDim], latent[kMainDim];
   load_weight(p, w);
   const RowInput state{p.state, p.state_row_stride, ElemType::FP32};
+  auto plan_of = [&](int64_t row) {
+    return plan_pair_row(row, p.positions[row], p.req_pool_indices[row], p.out_loc[row], p.ring,
+                         p.cache.capacity(), p.max_pos);
+  };
+  // Every ring read of the call happens before any ring write, as the reference does. Valid batches
+  // never read a row they write (§5.3), so this only pins down the result of invalid ones.
   for (int64_t row = 0; row < p.n; ++row) {
-    const PairRowPlan plan = plan_pair_row(row, p.positions[row], p.req_pool_indices[row], p.out_loc[row],
-                                           p.ring, p.cache.capacity(), p.max_pos);
+    const PairRowPlan plan = plan_of(row);
     if (!plan.emits) {
       zero_latent(p, row);
-      if (plan.ring_write >= 0) {
-        load_row(p.kv, row, kPairRowWidth, own);
-        std::memcpy(p.state + plan.ring_write * p.state_row_stride, own, sizeof(own));
-      }
       continue;
     }
     load_row(p.kv, row, kPairRowWidth, own);
@@ -97,6 +98,12 @@ void c2_decode_or_verify_cpu(KVLayout layout, const LowRatioParams& p) {
     }
     norm_to_latent(p, row, x, w, latent);
     if (plan.slot >= 0) store_latent(layout, p, latent, plan.slot, plan.rope_position);
+  }
+  for (int64_t row = 0; row < p.n; ++row) {
+    const PairRowPlan plan = plan_of(row);
+    if (plan.ring_write < 0) continue;
+    load_row(p.kv, row, kPairRowWidth, own);
+    std::memcpy(p.state + plan.ring_write * p.state_row_stride, own, sizeof(own));
   }
 }
 
