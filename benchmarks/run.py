@@ -1,7 +1,7 @@
 """Benchmark runner: measures the copy roofline and the launch floor, runs every family's benchmark
 module, writes benchmarks/results/<gpu>.md (full table) and <gpu>.png (plot), and prints a summary.
 
-    python -m benchmarks.run [--only kv_io,writers,metadata] [--out DIR]
+    python -m benchmarks.run [--only kv_io,writers,metadata,low_ratio] [--out DIR]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ FAMILIES = {
     "kv_io": "benchmarks.bench_cache",
     "writers": "benchmarks.bench_writers",
     "metadata": "benchmarks.bench_metadata",
+    "low_ratio": "benchmarks.bench_low_ratio",
 }
 
 
