@@ -3,3 +3,8 @@
 Nothing here imports or calls the compiled extension. Speed is irrelevant; every function runs on
 CPU and CUDA tensors with bit-identical results.
 """
+
+from .quant import *  # noqa: F401,F403  formats, quantizers, pages, slots, indexer, fake quant
+from .norm_rope import *  # noqa: F401,F403  RMSNorm, RoPE tail, WHT-128, reference fused_store_cache
+from .writers import *  # noqa: F401,F403  reference fused_k_norm_rope_flashmla, compress_norm_rope_store
+from .low_ratio import *  # noqa: F401,F403  reference c1 / c2 decode compressors
