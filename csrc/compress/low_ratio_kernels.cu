@@ -1,6 +1,6 @@
 // CUDA kernels of the ratio-1 and ratio-2 decode compressors: one token per warp, 4 warps per block;
 // lane l owns dims [16l, 16l+16) of the latent, and the same dims of the kv and score halves of a c2
-// row. Lane 0 resolves the row's indices (and c2 ring rows) and broadcasts them before any row load.
+// row. Lane 0 resolves the row's indices (and c2 ring rows) and broadcasts them by shuffle.
 #include "low_ratio_launch.h"
 #include "dsv4/launch.cuh"
 #include "dsv4/norm.cuh"
@@ -90,12 +90,18 @@ __device__ __forceinline__ void store_latent_lane(const LowRatioParams& p, int l
   quantize_main_lane<L>(v, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
+// The row and the weight do not depend on the indices, so their loads are issued before lane 0's index
+// loads and the two latencies overlap.
 template <KVLayout L>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatioParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   pdl_wait_dependencies();
   if (token >= p.n) return;
+  float x[kLaneDims], w[kLaneDims], f[kLaneDims] = {};
+  const uint16_t* row = static_cast<const uint16_t*>(p.kv.data) + token * p.kv.row_stride;
+  load_widen<kLaneDims, false>(row + lane * kLaneDims, x);
+  load_weight_lane(p, lane, w);
   int64_t slot = -1, position = -1;
   if (lane == 0) {
     position = p.positions[token];
@@ -103,11 +109,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatio
   }
   slot = broadcast(slot);
   position = broadcast(position);
-
-  float x[kLaneDims], w[kLaneDims], f[kLaneDims] = {};
-  const uint16_t* row = static_cast<const uint16_t*>(p.kv.data) + token * p.kv.row_stride;
-  load_widen<kLaneDims, false>(row + lane * kLaneDims, x);
-  load_weight_lane(p, lane, w);
   if (slot >= 0 && lane >= kRopeFirstLane) load_table_lane(p, position, lane, f);
   pdl_launch_dependents();
 
@@ -116,29 +117,29 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatio
   if (slot >= 0) store_latent_lane<L>(p, lane, v, f, slot);
 }
 
+// Every row that does anything needs its own (kv, score) values, so their loads are issued before lane
+// 0's index loads; only an odd row's partner load waits for the indices.
 template <KVLayout L>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) c2_decode_or_verify_kernel(LowRatioParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   pdl_wait_dependencies();
   if (token >= p.n) return;
+  const int dim = lane * kLaneDims;
+  const float* row = static_cast<const float*>(p.kv.data) + token * p.kv.row_stride;
+  float kv[kLaneDims], score[kLaneDims];
+  load_widen<kLaneDims, true>(row + dim, kv);
+  load_widen<kLaneDims, true>(row + kMainDim + dim, score);
   PairRowPlan plan{};
   if (lane == 0) {
     plan = plan_pair_row(token, p.positions[token], p.req_pool_indices[token], p.out_loc[token], p.ring,
                          p.cache.capacity(), p.max_pos);
   }
   const bool emits = __shfl_sync(kFullMask, int(plan.emits), 0) != 0;
-  const int64_t ring_write = broadcast(plan.ring_write);
-  const float* row = static_cast<const float*>(p.kv.data) + token * p.kv.row_stride;
-  const int dim = lane * kLaneDims;
 
   if (!emits) {
     // Padding (p < 0) or an even row: a zero latent, and a live even row parks (kv, score).
-    float kv[kLaneDims], score[kLaneDims];
-    if (ring_write >= 0) {
-      load_widen<kLaneDims, true>(row + dim, kv);
-      load_widen<kLaneDims, true>(row + kMainDim + dim, score);
-    }
+    const int64_t ring_write = broadcast(plan.ring_write);
     pdl_launch_dependents();
     store_zero_latent(p, token, lane);
     if (ring_write >= 0) {
@@ -153,9 +154,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c2_decode_or_verify_kerne
   const int64_t partner_ring = broadcast(plan.partner_ring);
   const int64_t slot = broadcast(plan.slot);
   const int64_t rope_position = broadcast(plan.rope_position);
-  float k_odd[kLaneDims], s_odd[kLaneDims], k_even[kLaneDims], s_even[kLaneDims];
-  load_widen<kLaneDims, true>(row + dim, k_odd);
-  load_widen<kLaneDims, true>(row + kMainDim + dim, s_odd);
+  float k_even[kLaneDims], s_even[kLaneDims];
   if (partner_input >= 0) {
     const float* partner = static_cast<const float*>(p.kv.data) + partner_input * p.kv.row_stride;
     load_widen<kLaneDims, true>(partner + dim, k_even);
@@ -178,7 +177,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c2_decode_or_verify_kerne
 
   float x[kLaneDims], v[kLaneDims];
 #pragma unroll
-  for (int i = 0; i < kLaneDims; ++i) x[i] = round_to_bf16(pair_pool(k_even[i], s_even[i], k_odd[i], s_odd[i]));
+  for (int i = 0; i < kLaneDims; ++i) x[i] = round_to_bf16(pair_pool(k_even[i], s_even[i], kv[i], score[i]));
   norm_to_latent(p, token, lane, x, w, v);
   if (slot >= 0) store_latent_lane<L>(p, lane, v, f, slot);
 }
