@@ -4,14 +4,13 @@
 #include "dsv4/launch.cuh"
 #include "dsv4/quant.cuh"
 #include "dsv4/vec_io.cuh"
+#include "dsv4/warp_quant.cuh"  // lane geometry of a row
 
 namespace dsv4 {
 
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kLaneDims = kMainDim / 32;
-constexpr int kRopeFirstLane = kV4NopeDim / kLaneDims;
 
 template <KVLayout L>
 __device__ __forceinline__ void dequant_lane(const uint8_t* data, const uint8_t* scale, int lane,

@@ -1,0 +1,139 @@
+"""Shared benchmark machinery: CUDA-graph replay timing, the device-to-device copy roofline,
+a plain gather/scatter-copy baseline and result rows.
+
+Decode-size cases are timed as the median per-call time of many calls captured in one CUDA graph;
+large cases as the median of single calls timed with events, with the L2 flushed in between.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20  # several times the H200's 50-60 MB L2
+
+
+class Bench:
+    """Per-run state: the measured copy bandwidth and a buffer used to flush the L2."""
+
+    def __init__(self, device: str = "cuda"):
+        self.device = torch.device(device)
+        self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=self.device)
+        self.copy_gbps = self.measure_copy_bandwidth()
+
+    def flush_l2(self) -> None:
+        self._flush.fill_(1)
+
+    def measure_copy_bandwidth(self, nbytes: int = 2 << 30) -> float:
+        """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device).random_()
+        dst = torch.empty_like(src)
+        us = self.time_single(lambda: dst.copy_(src), flush=False)
+        del src, dst
+        return 2 * nbytes / (us * 1e3)
+
+    def time_single(self, fn: Callable[[], object], iters: int = 15, warmup: int = 3, flush: bool = True) -> float:
+        """Median microseconds of one call of fn, each call timed alone with events."""
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            if flush:
+                self.flush_l2()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
+    def time_graph(self, calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+        """Median microseconds per call of `calls` captured back to back in one CUDA graph.
+
+        Each entry of `calls` typically uses its own inputs and destination slots, so that a replay
+        writes lines spread over a large cache, as a decode step does in serving.
+        """
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for fn in calls:  # warm up (and trigger any lazy initialisation) outside capture
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in calls:
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / len(calls))
+        del graph
+        return statistics.median(times)
+
+    def empty_kernel_us(self) -> float:
+        """Per-call time of a trivial kernel under graph replay: the launch floor."""
+        t = torch.zeros(1, device=self.device)
+        return self.time_graph([lambda: t.add_(1)] * 100)
+
+
+def gather_copy_us(bench: Bench, src_rows: torch.Tensor, slots: torch.Tensor) -> float:
+    """Plain gather of whole rows (index_select) over the same slots: the random-slot baseline."""
+    return bench.time_single(lambda: torch.index_select(src_rows, 0, slots))
+
+
+def scatter_copy_us(bench: Bench, dst_rows: torch.Tensor, slots: torch.Tensor, src_rows: torch.Tensor) -> float:
+    """Plain scatter of whole rows (index_copy_) into the same slots: the random-slot baseline."""
+    return bench.time_single(lambda: dst_rows.index_copy_(0, slots, src_rows))
+
+
+def as_words(rows_bytes: int) -> torch.dtype:
+    """Widest integer dtype dividing a row, so the baseline copies rows in wide words."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if rows_bytes % size == 0:
+            return dtype
+    return torch.uint8
+
+
+def row(
+    bench: Bench,
+    *,
+    family: str,
+    op: str,
+    case: str,
+    n: int,
+    us: float,
+    nbytes: int,
+    torch_us: Optional[float] = None,
+    baseline_us: Optional[float] = None,
+    baseline_bytes: Optional[int] = None,
+    target: str = "",
+) -> Dict:
+    """One result row: time, bytes moved, achieved GB/s and its fraction of the copy bandwidth."""
+    gbps = nbytes / (us * 1e3)
+    out = dict(
+        family=family, op=op, case=case, n=n, us=us, bytes=nbytes, gbps=gbps,
+        pct_copy=100.0 * gbps / bench.copy_gbps, torch_us=torch_us,
+        speedup=(torch_us / us) if torch_us else None, target=target,
+    )
+    if baseline_us is not None:
+        base_gbps = (baseline_bytes if baseline_bytes is not None else nbytes) / (baseline_us * 1e3)
+        out["pct_baseline"] = 100.0 * gbps / base_gbps
+    return out
+
+
+def compiled(fn: Callable) -> Callable:
+    """The idiomatic torch implementation compiled once, as a user would (dynamic shapes)."""
+    return torch.compile(fn, dynamic=True)
+
+
+Results = List[Dict]

@@ -1,0 +1,111 @@
+"""Idiomatic torch implementations of the KV I/O ops: what an engine developer would write without
+this library. The benchmarks compile them once per format with torch.compile(dynamic=True) and
+compare. They aim at speed comparisons, not at the exact rounding rules (reference/ does that).
+"""
+from __future__ import annotations
+
+import torch
+
+# (data_bytes, scale_bytes, tile) per main layout id
+MAIN = {0: (576, 8, 64), 1: (512, 16, 32), 2: (256, 32, 16)}
+INDEXER = {0: (128, 4), 1: (64, 4)}  # use_fp4 -> (data_bytes, scale_bytes)
+E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _page_views(cache, page_size, data_bytes, scale_bytes):
+    pages = cache.shape[0]
+    data = cache[:, : page_size * data_bytes].view(pages, page_size, data_bytes)
+    scale = cache[:, page_size * data_bytes : page_size * (data_bytes + scale_bytes)].view(pages, page_size, scale_bytes)
+    return data, scale
+
+
+def _pow2_scale(amax, divisor, floor):
+    exp = torch.ceil(torch.log2(amax.clamp_min(floor) / divisor))
+    return exp, torch.exp2(exp)
+
+
+def _fp4_codes(q):
+    idx = torch.bucketize(q.abs(), E2M1_BOUNDS.to(q.device))
+    return (idx | (q < 0).to(idx.dtype) * 8).to(torch.uint8)
+
+
+def _pack_nibbles(codes):
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def quantize_main(x, layout):
+    x = x.float()
+    n = x.shape[0]
+    if layout == 0:
+        nope = x[:, :448].view(n, 7, 64)
+        exp, scale = _pow2_scale(nope.abs().amax(-1), 448.0, 1e-4)
+        q = (nope / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).view(n, 448)
+        rope = x[:, 448:].to(torch.bfloat16).view(torch.uint8)
+        scales = torch.cat([(exp + 127).to(torch.uint8), torch.zeros_like(exp[:, :1], dtype=torch.uint8)], 1)
+        return torch.cat([q, rope], 1), scales
+    if layout == 1:
+        tiles = x.view(n, 16, 32)
+        exp, scale = _pow2_scale(tiles.abs().amax(-1), 448.0, 1e-4 * 448)
+        q = (tiles / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).view(n, 512)
+        return q, (exp + 127).to(torch.uint8)
+    tiles = x.view(n, 32, 16)
+    scale = (tiles.abs().amax(-1) / 6.0).clamp(2**-9, 448.0).to(torch.float8_e4m3fn)
+    codes = _fp4_codes(tiles / scale.float()[..., None]).view(n, 512)
+    return _pack_nibbles(codes), scale.view(torch.uint8)
+
+
+def store_main(x, cache, slots, page_size, layout):
+    data_bytes, scale_bytes, _ = MAIN[layout]
+    data_rows, scales = quantize_main(x, layout)
+    valid = (slots >= 0) & (slots < cache.shape[0] * page_size)
+    slots = torch.where(valid, slots, 0)
+    data, scale = _page_views(cache, page_size, data_bytes, scale_bytes)
+    page, r = slots // page_size, slots % page_size
+    data[page, r] = torch.where(valid[:, None], data_rows, data[page, r])
+    used = 7 if layout == 0 else scale_bytes
+    scale[page, r, :used] = torch.where(valid[:, None], scales[:, :used], scale[page, r, :used])
+
+
+def store_indexer(x, cache, slots, page_size, use_fp4):
+    data_bytes, scale_bytes = INDEXER[use_fp4]
+    x = x.float()
+    n = x.shape[0]
+    if use_fp4:
+        tiles = x.view(n, 4, 32)
+        exp, scale = _pow2_scale(tiles.abs().amax(-1), 6.0, 1e-4)
+        codes = _fp4_codes(tiles / scale[..., None]).view(n, 128)
+        rows, scales = _pack_nibbles(codes), (exp + 127).to(torch.uint8)
+    else:
+        s = x.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
+        rows = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        scales = s.view(torch.uint8)
+    valid = (slots >= 0) & (slots < cache.shape[0] * page_size)
+    slots = torch.where(valid, slots, 0)
+    data, scale = _page_views(cache, page_size, data_bytes, scale_bytes)
+    page, r = slots // page_size, slots % page_size
+    data[page, r] = torch.where(valid[:, None], rows, data[page, r])
+    scale[page, r] = torch.where(valid[:, None], scales, scale[page, r])
+
+
+def dequantize(cache, slots, page_size, layout):
+    data_bytes, scale_bytes, tile = MAIN[layout]
+    valid = (slots >= 0) & (slots < cache.shape[0] * page_size)
+    safe = torch.where(valid, slots, 0)
+    data, scale = _page_views(cache, page_size, data_bytes, scale_bytes)
+    rows = data[safe // page_size, safe % page_size]
+    scales = scale[safe // page_size, safe % page_size]
+    n = slots.shape[0]
+    if layout == 2:
+        codes = torch.stack([rows & 0xF, rows >> 4], -1).view(n, 512).long()
+        vals = E2M1_VALUES.to(cache.device)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+        out = (vals.view(n, 32, 16) * scales.view(torch.float8_e4m3fn).float()[..., None]).view(n, 512)
+    else:
+        quantized = 448 if layout == 0 else 512
+        q = rows[:, :quantized].view(torch.float8_e4m3fn).float().view(n, -1, tile)
+        s = torch.exp2(scales[:, : q.shape[1]].float() - 127)
+        out = (q * s[..., None]).view(n, quantized)
+        if layout == 0:
+            out = torch.cat([out, rows[:, 448:].contiguous().view(torch.bfloat16).float()], 1)
+    out = torch.where(valid[:, None], out, 0.0)
+    return out.to(torch.bfloat16).view(n, 1, 512)

@@ -1,0 +1,89 @@
+// Warp-level row quantizers of the CUDA writers: one token per warp. Main layouts: lane l holds
+// dims [16l, 16l+16) (lanes 28..31 hold the 64 RoPE dims); indexer formats: lane l holds dims
+// [4l, 4l+4). Every lane of the warp must call these (tile amax uses shuffles).
+#pragma once
+
+#include <cstdint>
+
+#include "dsv4/kv_layout.cuh"
+#include "dsv4/quant.cuh"
+#include "dsv4/vec_io.cuh"
+
+namespace dsv4 {
+
+constexpr int kLaneDims = kMainDim / 32;                // 16
+constexpr int kRopeFirstLane = kV4NopeDim / kLaneDims;  // 28: lanes 28..31 own the RoPE dims
+constexpr int kIndexerLaneDims = kIndexerDim / 32;      // 4
+
+// Quantizes this lane's 16 values of the row into the layout's data and scale rows. The tile
+// amax is reduced over the lanes that share a tile (V4: 4, V41: 2, V41_FP4: 1).
+template <KVLayout L>
+__device__ __forceinline__ void quantize_main_lane(const float* x, int lane, uint8_t* data,
+                                                   uint8_t* scale) {
+  constexpr int kTile = LayoutTraits<L>::kTile;
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kLaneDims; ++i) amax = fmax_f32(amax, fabs_f32(x[i]));
+  amax = warp_max_xor(amax, kTile / kLaneDims);
+
+  if constexpr (L == KVLayout::V41_FP4) {
+    const uint8_t scale_byte = v41_fp4_scale_byte(amax);
+    const E2m1RneThresholds encoder(e4m3_decode(scale_byte));
+    uint32_t packed[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < kLaneDims; ++i) packed[i / 8] |= uint32_t(encoder.encode(x[i])) << (4 * (i % 8));
+    *reinterpret_cast<uint2*>(data + 8 * lane) = make_uint2(packed[0], packed[1]);
+    scale[lane] = scale_byte;
+  } else {
+    if (L == KVLayout::V4 && lane >= kRopeFirstLane) {
+      // RoPE dims stay bf16: 16 values = 32 bytes at 448 + 32 * (lane - 28).
+      uint32_t w[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) w[k] = f32_to_bf16(x[2 * k]) | (uint32_t(f32_to_bf16(x[2 * k + 1])) << 16);
+      uint4* dst = reinterpret_cast<uint4*>(data + kV4NopeDim + 32 * (lane - kRopeFirstLane));
+      dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+      return;
+    }
+    const uint8_t b = L == KVLayout::V4 ? v4_scale_byte(amax) : v41_scale_byte(amax);
+    const float inv = inverse_scale_of_byte(b);
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t lo = e4m3x2_encode(x[4 * k] * inv, x[4 * k + 1] * inv);
+      const uint32_t hi = e4m3x2_encode(x[4 * k + 2] * inv, x[4 * k + 3] * inv);
+      w[k] = lo | (hi << 16);
+    }
+    *reinterpret_cast<uint4*>(data + 16 * lane) = make_uint4(w[0], w[1], w[2], w[3]);
+    constexpr int kLanesPerTile = kTile / kLaneDims;
+    if (lane % kLanesPerTile == 0) scale[lane / kLanesPerTile] = b;
+  }
+}
+
+// Quantizes this lane's 4 values of an indexer row (fp8: one tile of 128 over the warp, fp32
+// scale stored by lane 0; fp4: tiles of 32 = 8 lanes, scale bytes stored by lanes 0/8/16/24).
+template <IndexerFormat F>
+__device__ __forceinline__ void quantize_indexer_lane(const float* x, int lane, uint8_t* data,
+                                                      uint8_t* scale) {
+  float amax = fmax_f32(fmax_f32(fabs_f32(x[0]), fabs_f32(x[1])), fmax_f32(fabs_f32(x[2]), fabs_f32(x[3])));
+  if constexpr (F == IndexerFormat::FP8) {
+    amax = warp_max_xor(amax, 32);
+    const float s = __fdiv_rn(fmax_f32(amax, amax_floor()), kE4m3Max);
+    const float inv = __fdiv_rn(1.0f, s);
+    const uint32_t lo = e4m3x2_encode(x[0] * inv, x[1] * inv);
+    const uint32_t hi = e4m3x2_encode(x[2] * inv, x[3] * inv);
+    *reinterpret_cast<uint32_t*>(data + 4 * lane) = lo | (hi << 16);
+    if (lane == 0) *reinterpret_cast<float*>(scale) = s;
+  } else {
+    constexpr int kLanesPerTile = IndexerTraits<F>::kTile / 4;  // 8
+    amax = warp_max_xor(amax, kLanesPerTile);
+    const uint8_t b = indexer_fp4_scale_byte(amax);
+    const float inv = inverse_scale_of_byte(b);
+    const uint32_t codes = e2m1_encode_threshold(x[0] * inv) | (e2m1_encode_threshold(x[1] * inv) << 4) |
+                           (e2m1_encode_threshold(x[2] * inv) << 8) | (e2m1_encode_threshold(x[3] * inv) << 12);
+    *reinterpret_cast<uint16_t*>(data + 2 * lane) = uint16_t(codes);
+    if (lane % kLanesPerTile == 0) scale[lane / kLanesPerTile] = b;
+  }
+}
+
+}  // namespace dsv4
