@@ -206,7 +206,8 @@ def main():
     print(f"{'op':34s} {'case':14s} {'N':>6s} {'us':>8s} {'torch us':>9s} {'GB/s':>7s}  target")
     for r in results:
         torch_us = "" if r["torch_us"] is None else f"{r['torch_us']:.2f}"
-        print(f"{r['op']:34s} {r['case']:14s} {r['n']:>6d} {r['us']:8.2f} {torch_us:>9s} {r['gbps']:7.0f}  {r['target']}")
+        print(f"{r['op']:34s} {r['case']:14s} {r['n']:>6d} {r['us']:8.2f} {torch_us:>9s} {r['gbps']:7.0f}  "
+              f"{r['target']}")
 
 
 if __name__ == "__main__":

@@ -205,7 +205,8 @@ def test_reference_page_table_example():
     assert rows[3].tolist() == [128, -1]
     # Truncation: -1/256 = 0, -256/256 = -1, -257/256 = -1; an unknown request gives page 0.
     req_to_token = torch.tensor([[-1, -256, -257]], dtype=torch.int64)
-    rows = ref.build_page_table_positions_small(req_to_token, torch.tensor([0, 5, -1]), torch.tensor([3, 3, 3]), 3, 1, 9)
+    req, lens = torch.tensor([0, 5, -1]), torch.tensor([3, 3, 3])
+    rows = ref.build_page_table_positions_small(req_to_token, req, lens, 3, 1, 9)
     assert rows[2].tolist() == [[-1, -256, -257], [0, 0, 0], [0, 0, 0]]
 
 
@@ -285,14 +286,17 @@ def test_ops_on_spec_examples(device):
     assert r.swa_topk_lengths.tolist() == [128, -1] and r.seq_lens_casual.tolist() == [300, -1]
     # §3
     m = dk.build_low_ratio_metadata(
-        torch.tensor([1, 4, 7, 1100, -2, -3], device=device), torch.tensor([0, 1003, 1006, 5000, -3, 9], device=device), 512
+        torch.tensor([1, 4, 7, 1100, -2, -3], device=device),
+        torch.tensor([0, 1003, 1006, 5000, -3, 9], device=device),
+        512,
     )
     assert m.c2_out_loc.tolist() == [-1, 501, -1, 2500, -2, -1] and m.c2_seq_lens.tolist() == [1, 2, 3, 550, 1, 1]
     # §4
     pages = torch.empty((1, 512), dtype=torch.int32, device=device)
     raw = torch.empty((1, 512), dtype=torch.int32, device=device)
     dk.fill_all_compressed_indices(
-        torch.tensor([[7, 3]], device=device), torch.tensor([130], device=device), pages, compress_ratio=2, raw_indices=raw
+        torch.tensor([[7, 3]], device=device), torch.tensor([130], device=device), pages,
+        compress_ratio=2, raw_indices=raw,
     )
     assert pages[0, 126:131].tolist() == [1022, 1023, 384, 385, -1] and raw[0, 128:131].tolist() == [128, 129, -1]
     # §5
@@ -326,7 +330,8 @@ def page_table_case(rows, pages, page_size, mix, strided, device, seed, num_requ
     req_to_token = table(values, t_dtype, device, pad=pad)
     req = torch.randint(-2, num_requests + 2, (rows,), generator=g)  # some unknown request ids
     req[: min(rows, 3)] = 0  # padded CUDA-graph rows use the dummy request 0
-    args = (req_to_token, vector(req, q_dtype, strided, device), vector(lengths(rows, capacity, g), l_dtype, strided, device))
+    lens = lengths(rows, capacity, g)
+    args = (req_to_token, vector(req, q_dtype, strided, device), vector(lens, l_dtype, strided, device))
     return args, capacity
 
 
@@ -396,7 +401,8 @@ def test_page_table_rejects_bad_arguments(device):
     out = ops.build_page_table_positions_small_out
     out(req_to_token, req, lens, 256, 128, bufs[0], bufs[1], table_, bufs[2])
     with pytest.raises(RuntimeError, match=f"{op}_out: page_table has 3 columns"):
-        out(req_to_token, req, lens, 256, 128, bufs[0], bufs[1], torch.empty((3, 3), dtype=torch.int32, device=device), bufs[2])
+        too_wide = torch.empty((3, 3), dtype=torch.int32, device=device)
+        out(req_to_token, req, lens, 256, 128, bufs[0], bufs[1], too_wide, bufs[2])
     with pytest.raises(RuntimeError, match=f"{op}_out: positions must be int32"):
         out(req_to_token, req, lens, 256, 128, bufs[0], bufs[1].long(), table_, bufs[2])
     with pytest.raises(RuntimeError, match=f"{op}_out: page_table must be contiguous"):
@@ -894,14 +900,29 @@ def test_torch_compile_fullgraph(device):
 
 
 class GraphCase:
-    """Inputs (device tensors mutated in place), the op call, and the oracle of the current inputs."""
+    """Device inputs `args` (rewritten in place between replays), the op call on them (the pure op,
+    or the _out twin into buffers made once), and the oracle of their current values."""
 
-    def __init__(self, inputs, run, oracle, mutate):
-        self.inputs, self.run, self.oracle, self.mutate = inputs, run, oracle, mutate
+    def __init__(self, args, call, oracle, mutate):
+        self.args, self.call, self.oracle, self.mutate = args, call, oracle, mutate
+
+    def run(self):
+        return _as_tuple(self.call(*self.args))
+
+    def expected(self):
+        return _as_tuple(self.oracle(*cpu_args(self.args)))
+
+
+GRAPH_ROWS = 70
+
+
+def _base_lengths(device):
+    # Replay k adds k (see _shift_lengths): every special length -2 .. +3 crosses -1/0, parity, 256.
+    return torch.tensor(special_lengths(4096) * 4)[:GRAPH_ROWS].to(device) - 2
 
 
 def _shift_lengths(lens, base, k):
-    # Replay k: +k crosses -1/0, parity and 255/256/257; replay 2 empties everything (long -> empty -> long).
+    # Replay 2 empties every length: long -> empty -> long across replays 1, 2, 3.
     shifted = base + k if k != 2 else torch.zeros_like(base)
     lens.copy_(shifted.to(lens.dtype))
 
@@ -910,100 +931,121 @@ def _shift_locs(loc, base, k):
     loc.copy_((base + (k - 2) * 2**32 - k).to(loc.dtype))  # crosses negative values and 2^33
 
 
-def graph_cases(device, use_out):
-    g = gen(21)
-    rows = 70
-    base_lens = torch.tensor(special_lengths(4096) * 4)[:rows].to(device) - 2
-    base_loc = locs(rows, torch.int64, g).to(device)
-    cases = {}
+def _pure_or_out(pure, out_op, use_out, args, tail_pure, tail_out):
+    """`pure(*args, *tail_pure)`, or the _out twin into buffers cloned from one pure call."""
+    if not use_out:
+        return lambda *a: pure(*a, *tail_pure)
+    bufs = [t.clone() for t in pure(*args, *tail_pure)]
 
-    # build_page_table_positions_small: request mapping rotated per replay.
+    def call(*a):
+        out_op(*a, *tail_out, *bufs)
+        return bufs
+
+    return call
+
+
+def graph_page_table(device, use_out, g):
+    base_lens = _base_lengths(device)
     req_to_token = torch.randint(-256, 2**24, (9, 4096 + 512), generator=g).int().to(device)[:, :4096]
-    req = torch.randint(-1, 10, (rows,), generator=g).to(device)
+    req = torch.randint(-1, 10, (GRAPH_ROWS,), generator=g).to(device)
     base_req = req.clone()
-    lens = base_lens.clone().int()
-    inputs = dict(req_to_token=req_to_token, req=req, lens=lens)
-    if use_out:
-        bufs = [t.clone() for t in ops.build_page_table_positions_small(req_to_token, req, lens, 4096, 256, 128)]
-        run = lambda i: (ops.build_page_table_positions_small_out(i["req_to_token"], i["req"], i["lens"], 256, 128, *bufs), bufs)[1]  # noqa: E731
-    else:
-        run = lambda i: ops.build_page_table_positions_small(i["req_to_token"], i["req"], i["lens"], 4096, 256, 128)  # noqa: E731
+    args = [req_to_token, req, base_lens.int()]
+    call = _pure_or_out(ops.build_page_table_positions_small, ops.build_page_table_positions_small_out, use_out,
+                        args, (4096, 256, 128), (256, 128))
 
-    def mutate_pt(i, k, base_lens=base_lens, base_req=base_req):
-        _shift_lengths(i["lens"], base_lens, k)
-        i["req"].copy_(torch.roll(base_req, k))
+    def mutate(args, k):
+        _shift_lengths(args[2], base_lens, k)
+        args[1].copy_(torch.roll(base_req, k))  # the request mapping rotates
 
-    cases["page_table"] = GraphCase(
-        inputs, run,
-        lambda i: ref.build_page_table_positions_small(i["req_to_token"].cpu(), i["req"].cpu(), i["lens"].cpu(), 4096, 256, 128),
-        mutate_pt)
+    return GraphCase(args, call, lambda *a: ref.build_page_table_positions_small(*a, 4096, 256, 128), mutate)
 
-    # build_low_ratio_metadata
-    inputs = dict(lens=base_lens.clone(), loc=base_loc.clone())
-    if use_out:
-        bufs_lr = [t.clone() for t in ops.build_low_ratio_metadata(inputs["lens"], inputs["loc"], 512)]
-        run = lambda i: (ops.build_low_ratio_metadata_out(i["lens"], i["loc"], 512, *bufs_lr), bufs_lr)[1]  # noqa: E731
-    else:
-        run = lambda i: ops.build_low_ratio_metadata(i["lens"], i["loc"], 512)  # noqa: E731
 
-    def mutate_lr(i, k):
-        _shift_lengths(i["lens"], base_lens, k)
-        _shift_locs(i["loc"], base_loc, k)
+def graph_low_ratio(device, use_out, g):
+    base_lens, base_loc = _base_lengths(device), locs(GRAPH_ROWS, torch.int64, g).to(device)
+    args = [base_lens.clone(), base_loc.clone()]
+    call = _pure_or_out(ops.build_low_ratio_metadata, ops.build_low_ratio_metadata_out, use_out, args, (512,), (512,))
 
-    cases["low_ratio"] = GraphCase(
-        inputs, run, lambda i: ref.build_low_ratio_metadata(i["lens"].cpu(), i["loc"].cpu(), 512), mutate_lr)
+    def mutate(args, k):
+        _shift_lengths(args[0], base_lens, k)
+        _shift_locs(args[1], base_loc, k)
 
-    # init_compression_metadata (W < bs)
-    page_table = torch.randint(0, 2**20, (rows, 33), generator=g).to(device)
-    inputs = dict(lens=base_lens.clone().int(), pos=base_lens.clone() - 1, loc=base_loc[: rows - 5].clone())
-    if use_out:
-        bufs_cm = [t.clone() for t in ops.init_compression_metadata(inputs["lens"], inputs["pos"], inputs["loc"], page_table, 256, True)]
-        run = lambda i: (ops.init_compression_metadata_out(i["lens"], i["pos"], i["loc"], page_table, 256, *bufs_cm), bufs_cm)[1]  # noqa: E731
-    else:
-        run = lambda i: ops.init_compression_metadata(i["lens"], i["pos"], i["loc"], page_table, 256, True)  # noqa: E731
+    return GraphCase(args, call, lambda *a: ref.build_low_ratio_metadata(*a, 512), mutate)
 
-    def mutate_cm(i, k):
-        _shift_lengths(i["lens"], base_lens * 40, k)
-        _shift_lengths(i["pos"], base_lens * 40 - 1, k)
-        _shift_locs(i["loc"], base_loc[: rows - 5], k)
 
-    cases["compression"] = GraphCase(
-        inputs, run,
-        lambda i: ref.init_compression_metadata(i["lens"].cpu(), i["pos"].cpu(), i["loc"].cpu(), page_table.cpu(), 256, True),
-        mutate_cm)
+def graph_compression(device, use_out, g):
+    base_lens = _base_lengths(device) * 40
+    num_locs = GRAPH_ROWS - 5  # fewer write rows than metadata rows
+    base_loc = locs(num_locs, torch.int64, g).to(device)
+    page_table = torch.randint(0, 2**20, (GRAPH_ROWS, 33), generator=g).to(device)
+    args = [base_lens.int(), base_lens - 1, base_loc.clone(), page_table]
+    call = _pure_or_out(ops.init_compression_metadata, ops.init_compression_metadata_out, use_out,
+                        args, (256, True), (256,))
 
-    # fill_all_compressed_indices (a writer: the _out form is the op itself)
-    fill_table = torch.randint(0, 2**20, (rows, 5), generator=g).int().to(device)
-    pages = torch.empty((rows, 512), dtype=torch.int32, device=device)
-    raw = torch.empty((rows, 512), dtype=torch.int32, device=device)
-    inputs = dict(lens=base_lens.clone())
+    def mutate(args, k):
+        _shift_lengths(args[0], base_lens, k)
+        _shift_lengths(args[1], base_lens - 1, k)
+        _shift_locs(args[2], base_loc, k)
 
-    def run_fill(i):
-        ops.fill_all_compressed_indices(fill_table, i["lens"], pages, 2, 256, raw)
+    return GraphCase(args, call, lambda *a: ref.init_compression_metadata(*a, 256, True), mutate)
+
+
+def graph_fill_all(device, use_out, g):
+    # A writer: the op itself writes caller buffers, so both variants are the same call.
+    base_lens = _base_lengths(device)
+    page_table = torch.randint(0, 2**20, (GRAPH_ROWS, 5), generator=g).int().to(device)
+    pages = torch.empty((GRAPH_ROWS, 512), dtype=torch.int32, device=device)
+    raw = torch.empty_like(pages)
+
+    def call(page_table, lens):
+        ops.fill_all_compressed_indices(page_table, lens, pages, 2, 256, raw)
         return pages, raw
 
-    def oracle_fill(i):
-        p, r = torch.empty((rows, 512), dtype=torch.int32), torch.empty((rows, 512), dtype=torch.int32)
-        return ref.fill_all_compressed_indices(fill_table.cpu(), i["lens"].cpu(), p, 2, 256, r)
+    def oracle(page_table, lens):
+        out = [torch.empty((GRAPH_ROWS, 512), dtype=torch.int32) for _ in range(2)]
+        return ref.fill_all_compressed_indices(page_table, lens, out[0], 2, 256, out[1])
 
-    cases["fill_all"] = GraphCase(inputs, run_fill, oracle_fill, lambda i, k: _shift_lengths(i["lens"], base_lens, k))
+    return GraphCase([page_table, base_lens.clone()], call, oracle,
+                     lambda args, k: _shift_lengths(args[1], base_lens, k))
 
-    # get_paged_mqa_logits_metadata: each path (single CTA, tiles)
-    for batch in (5, 1000, 65536):
+
+def graph_schedule(batch):
+    def build(device, use_out, g):
         base = torch.randint(-3, 40000, (batch,), generator=g).to(device)
-        inputs = dict(ctx=base.clone().int())
+        args = [base.int()]
         if use_out:
-            sched = torch.empty((H200_SMS + 1, 2), dtype=torch.int32, device=device)
-            run = lambda i, sched=sched: (ops.get_paged_mqa_logits_metadata_out(i["ctx"], 64, sched), sched)[1]  # noqa: E731
+            out = torch.empty((H200_SMS + 1, 2), dtype=torch.int32, device=device)
+
+            def call(lens):
+                ops.get_paged_mqa_logits_metadata_out(lens, 64, out)
+                return out
         else:
-            run = lambda i: ops.get_paged_mqa_logits_metadata(i["ctx"], 64, H200_SMS)  # noqa: E731
-        cases[f"schedule_{batch}"] = GraphCase(
-            inputs, run, lambda i: ref.get_paged_mqa_logits_metadata(i["ctx"].cpu(), 64, H200_SMS),
-            lambda i, k, base=base: _shift_lengths(i["ctx"], base * (k % 2) + k - 1, k))
-    return cases
+            def call(lens):
+                return ops.get_paged_mqa_logits_metadata(lens, 64, H200_SMS)
+
+        def mutate(args, k):
+            # k = 0..5: all -1 (empty), long, zeros (empty), long, all 3 (one split each), long
+            _shift_lengths(args[0], base * (k % 2) + k - 1, k)
+
+        return GraphCase(args, call, lambda lens: ref.get_paged_mqa_logits_metadata(lens, 64, H200_SMS), mutate)
+
+    return build
 
 
-GRAPH_CASES = ["page_table", "low_ratio", "compression", "fill_all", "schedule_5", "schedule_1000", "schedule_65536"]
+GRAPH_BUILDERS = {
+    "page_table": graph_page_table,
+    "low_ratio": graph_low_ratio,
+    "compression": graph_compression,
+    "fill_all": graph_fill_all,
+    "schedule_5": graph_schedule(5),  # each path of §6.5: one warp, one CTA, tiles
+    "schedule_1000": graph_schedule(1000),
+    "schedule_65536": graph_schedule(65536),
+}
+GRAPH_CASES = sorted(GRAPH_BUILDERS)
+
+
+def graph_cases(device, use_out):
+    g = gen(21)
+    return {name: GRAPH_BUILDERS[name](device, use_out, g) for name in GRAPH_CASES}
 
 
 def _as_tuple(out):
@@ -1019,56 +1061,52 @@ def test_cuda_graph_replay_with_poisoned_outputs(name, use_out):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            case.run(case.inputs)  # warm-up outside the capture
+            case.run()  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outputs = _as_tuple(case.run(case.inputs))
+        outputs = case.run()
     pointers = [t.data_ptr() for t in outputs]
     for k in range(6):
-        case.mutate(case.inputs, k)
+        case.mutate(case.args, k)
         for j, t in enumerate(outputs):
             t.fill_(POISONS[(j + k) % 2])
         graph.replay()
         torch.cuda.synchronize()
-        expected = _as_tuple(case.oracle(case.inputs))
+        expected = case.expected()
         assert_same(outputs, expected)
         assert [t.data_ptr() for t in outputs] == pointers
-        if use_out:
-            # the _out buffers are the caller's own: an eager call writes the same addresses
-            assert_same(_as_tuple(case.run(case.inputs)), expected)
+        if use_out:  # the caller's buffers: an eager call rewrites the same addresses
+            assert [t.data_ptr() for t in case.run()] == pointers
+            assert_same(outputs, expected)
 
 
 @cuda_test
 def test_no_host_sync_and_no_allocation_in_replay():
-    calls = []
-    for use_out in (False, True):
-        for case in graph_cases("cuda", use_out).values():
-            calls.append(case)
-    for case in calls:
-        case.run(case.inputs)  # warm-up (first-use allocations, PDL attribute query)
+    cases = [c for use_out in (False, True) for c in graph_cases("cuda", use_out).values()]
+    for case in cases:
+        case.run()  # warm-up (first-use allocations, PDL attribute query)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for case in calls:
-            case.run(case.inputs)
+        for case in cases:
+            case.run()
         dk.get_paged_mqa_logits_metadata(torch.ones(10, dtype=torch.int32, device="cuda"))  # SM-count default
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    case = graph_cases("cuda", False)["schedule_65536"]
-    case.run(case.inputs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        case.run(case.inputs)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    after = torch.cuda.memory_stats()
-    for key in ("allocation.all.allocated", "segment.all.allocated", "allocated_bytes.all.allocated"):
-        assert after[key] == before[key], key
+    for case in cases:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            case.run()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_stats()
+        for key in ("allocation.all.allocated", "segment.all.allocated", "allocated_bytes.all.allocated"):
+            assert after[key] == before[key], key
 
 
 @cuda_test
@@ -1081,10 +1119,10 @@ def test_non_default_stream():
     with torch.cuda.stream(stream):
         for case in cases.values():
             torch.cuda._sleep(20_000_000)
-            case.mutate(case.inputs, 3)
-            got = _as_tuple(case.run(case.inputs))
+            case.mutate(case.args, 3)
+            got = case.run()
             stream.synchronize()
-            assert_same(got, _as_tuple(case.oracle(case.inputs)))
+            assert_same(got, case.expected())
 
 
 @cuda_test
@@ -1092,7 +1130,8 @@ def test_non_default_stream():
 def test_rejects_mixed_devices(device_pair):
     a, b = device_pair
     with pytest.raises(RuntimeError, match="dsv4.build_low_ratio_metadata: out_loc must be on"):
-        ops.build_low_ratio_metadata(torch.ones(3, device=a, dtype=torch.int32), torch.ones(3, device=b, dtype=torch.int64), 512)
+        ops.build_low_ratio_metadata(
+            torch.ones(3, device=a, dtype=torch.int32), torch.ones(3, device=b, dtype=torch.int64), 512)
     with pytest.raises(RuntimeError, match="dsv4.fill_all_compressed_indices: page_indices must be on"):
         ops.fill_all_compressed_indices(
             torch.ones((3, 2), device=a, dtype=torch.int32), torch.ones(3, device=a, dtype=torch.int32),
@@ -1134,7 +1173,8 @@ for ratio in (1, 2, 4, 128):
     for width in (1, 63, 64, 1024):
         ops.fill_all_compressed_indices(table, lens, torch.empty((10, width), dtype=torch.int32, device=d), ratio, 256,
                                         torch.empty((10, width), dtype=torch.int32, device=d))
-    ops.fill_all_compressed_indices(table[:, :0], lens, torch.empty((10, 64), dtype=torch.int32, device=d), ratio, 256, None)
+    pages = torch.empty((10, 64), dtype=torch.int32, device=d)
+    ops.fill_all_compressed_indices(table[:, :0], lens, pages, ratio, 256, None)
 """,
     "compression": """
 lens = torch.tensor(big, dtype=torch.int32, device=d)

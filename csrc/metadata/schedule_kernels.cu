@@ -1,5 +1,5 @@
 // CUDA kernels of get_paged_mqa_logits_metadata (§6.5), chosen from the batch size B (a shape):
-// B <= 2048: one CTA scans the split counts into a shared int64 prefix (B <= 64 uses one warp's data);
+// B <= 2048: one CTA scans the split counts into a shared int64 prefix (B <= 64: one warp scans);
 // B > 2048: 4096-request tiles are scanned in parallel into a workspace, then one CTA scans the tile
 // totals and resolves each of the num_sms + 1 rows by a binary search over tiles, then inside a tile.
 #include "dsv4/launch.cuh"
@@ -15,27 +15,28 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 // Tile totals scanned per step of the resolve kernel (32 KiB of shared memory; any B fits).
 constexpr int kTotalsChunk = 4096;
 
-// Inclusive scan of one int64 per thread over a CTA of kThreads; `total` receives the CTA sum.
-// All threads must call it; warp_sums may be reused as soon as it returns.
-__device__ __forceinline__ int64_t block_inclusive_scan(int64_t v, int64_t* warp_sums, int64_t& total) {
+// B <= 64 is scanned by one warp (two requests per lane): no cross-warp step.
+constexpr int64_t kTinyBatch = 64;
+
+__device__ __forceinline__ int64_t warp_inclusive_scan(int64_t v) {
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     const int64_t up = __shfl_up_sync(kFullMask, v, d);
     if (lane >= d) v += up;
   }
+  return v;
+}
+
+// Inclusive scan of one int64 per thread over a CTA of kThreads; `total` receives the CTA sum.
+// All threads must call it; warp_sums may be reused as soon as it returns.
+__device__ __forceinline__ int64_t block_inclusive_scan(int64_t v, int64_t* warp_sums, int64_t& total) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  v = warp_inclusive_scan(v);
   if (lane == 31) warp_sums[warp] = v;
   __syncthreads();
-  if (warp == 0) {
-    int64_t w = warp_sums[lane];
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int64_t up = __shfl_up_sync(kFullMask, w, d);
-      if (lane >= d) w += up;
-    }
-    warp_sums[lane] = w;
-  }
+  if (warp == 0) warp_sums[lane] = warp_inclusive_scan(warp_sums[lane]);
   __syncthreads();
   const int64_t result = v + (warp > 0 ? warp_sums[warp - 1] : 0);
   total = warp_sums[kWarps - 1];
@@ -51,11 +52,12 @@ __device__ __forceinline__ void write_row(int32_t* out, int i, int64_t b, int64_
   out[2 * i + 1] = sentinel ? 0 : int32_t(start - splits_before_b);
 }
 
-// Scans kItems consecutive requests per thread, from `first`; writes each inclusive prefix with
-// `store(index, prefix)` and returns the CTA total.
+// Scans kItems consecutive requests per thread, from `first`, over the CTA (or over warp 0 alone
+// when `one_warp`: the other warps hold no requests); writes each inclusive prefix with
+// `store(index, prefix)` and returns the total (in every thread, also with one_warp).
 template <int kItems, class Store>
 __device__ __forceinline__ int64_t scan_split_counts(const StridedIndex& lens, int64_t first, int64_t end,
-                                                     int64_t* warp_sums, Store store) {
+                                                     int64_t* warp_sums, bool one_warp, Store store) {
   int32_t n[kItems];
   int64_t local = 0;
 #pragma unroll
@@ -63,12 +65,25 @@ __device__ __forceinline__ int64_t scan_split_counts(const StridedIndex& lens, i
     n[j] = first + j < end ? split_count(lens.i32(first + j)) : 0;
     local += n[j];
   }
-  int64_t total;
-  int64_t run = block_inclusive_scan(local, warp_sums, total) - local;
+  int64_t total = 0;
+  int64_t inclusive = 0;
+  if (one_warp) {
+    if (threadIdx.x < 32) {
+      inclusive = warp_inclusive_scan(local);
+      if (threadIdx.x == 31) warp_sums[0] = inclusive;
+    }
+  } else {
+    inclusive = block_inclusive_scan(local, warp_sums, total);
+  }
+  int64_t run = inclusive - local;
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
     run += n[j];
     if (first + j < end) store(first + j, run);
+  }
+  if (one_warp) {
+    __syncthreads();
+    total = warp_sums[0];
   }
   return total;
 }
@@ -79,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) schedule_single_cta_kernel(const Sch
   __shared__ int64_t warp_sums[kWarps];
   pdl_wait_dependencies();
   const int64_t total = scan_split_counts<kItems>(
-      p.lens, int64_t(threadIdx.x) * kItems, p.batch, warp_sums,
+      p.lens, int64_t(threadIdx.x) * kItems, p.batch, warp_sums, p.batch <= kTinyBatch,
       [&](int64_t b, int64_t v) { prefix[b] = v; });
   __syncthreads();
   pdl_launch_dependents();  // dependents still wait for this grid to complete before reading
@@ -100,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) schedule_tile_scan_kernel(const Sche
   const int64_t tile_first = int64_t(blockIdx.x) * kScheduleTile;
   int64_t* tile_prefix = p.workspace + tile_first;
   const int64_t total = scan_split_counts<kItems>(
-      p.lens, tile_first + int64_t(threadIdx.x) * kItems, p.batch, warp_sums,
+      p.lens, tile_first + int64_t(threadIdx.x) * kItems, p.batch, warp_sums, false,
       [&](int64_t b, int64_t v) { tile_prefix[b - tile_first] = v; });
   pdl_launch_dependents();
   if (threadIdx.x == 0) p.workspace[p.batch + blockIdx.x] = total;
