@@ -1,5 +1,6 @@
 // CPU implementations of the five metadata ops, built on the shared integer rules of
 // include/dsv4/metadata.cuh (the CUDA kernels use the same functions, so the two agree by construction).
+#include <cstddef>
 #include <vector>
 
 #include "metadata_launch.h"
