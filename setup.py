@@ -23,6 +23,8 @@ CPP_SOURCES = [
     "csrc/cache/store_cpu.cpp",
     "csrc/cache/dequant_cpu.cpp",
     "csrc/cache/fake_quant_cpu.cpp",
+    "csrc/metadata/metadata_ops.cpp",
+    "csrc/metadata/metadata_cpu.cpp",
 ]
 
 # Kernels and their plain-C++ launchers (nvcc; no torch headers).
@@ -31,6 +33,9 @@ CUDA_SOURCES = [
     "csrc/cache/store_kernels.cu",
     "csrc/cache/dequant_kernels.cu",
     "csrc/cache/fake_quant_kernels.cu",
+    "csrc/metadata/page_table_kernels.cu",
+    "csrc/metadata/compression_kernels.cu",
+    "csrc/metadata/schedule_kernels.cu",
 ]
 
 # libtorch stable ABI 2.10. torch.utils.cpp_extension adds the Python limited API define itself
