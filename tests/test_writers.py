@@ -931,13 +931,14 @@ def test_cuda_graph_replay_equals_eager(layout):
         k_expected, c_expected = k_cache.clone(), c_cache.clone()
         calls(k_expected, c_expected)
         torch.cuda.synchronize()
+        before_replay = torch.cuda.memory_allocated()
         torch.cuda.set_sync_debug_mode("error")
         try:
             graph.replay()
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == allocated
+        assert torch.cuda.memory_allocated() == before_replay, "replay allocates nothing"
         assert_same_bytes(k_cache, k_expected.cpu(), f"K writer replay {trial}")
         assert_same_bytes(c_cache, c_expected.cpu(), f"compress replay {trial}")
 
@@ -961,7 +962,9 @@ _PDL_SCRIPT = textwrap.dedent("""
             pos = torch.randint(0, 4096, (n,), device="cuda")
             # Back-to-back writers on the same slots: the last one must win with and without PDL.
             dsv4.fused_store_cache(x, cache, slots, page_size=P, layout=layout)
-            dsv4.fused_k_norm_rope_flashmla(x, w, 1e-6, table, pos, slots, cache, page_size=P, layout=layout)
+            # The K writer reads a tensor that the previous kernel (ours, also under PDL) has just written.
+            produced = dsv4.fake_quant_compressed_kv(x)
+            dsv4.fused_k_norm_rope_flashmla(produced, w, 1e-6, table, pos, slots, cache, page_size=P, layout=layout)
             plan = torch.zeros(n, 16, dtype=torch.uint8, device="cuda")
             plan[:, 0] = 8
             dsv4.compress_norm_rope_store(x, plan, norm_weight=w, norm_eps=1e-6, freq_cis=table, out_loc=slots,
@@ -970,7 +973,7 @@ _PDL_SCRIPT = textwrap.dedent("""
             deq.append(dsv4.dequantize_k_cache_paged(cache, slots, P, layout=layout))
         out[layout.str_name] = (cache.cpu(), ccache.cpu(), torch.stack(deq).cpu())
     idx = torch.randn(n, 128, device="cuda")
-    icache = torch.zeros(4, 132 * 64, dtype=torch.uint8, device="cuda")
+    icache = torch.zeros(4, dsv4.IndexerFormat.FP8.page_bytes(64), dtype=torch.uint8, device="cuda")
     for step in range(10):
         plan = torch.zeros(n, 16, dtype=torch.uint8, device="cuda")
         plan[:, 0] = 4 * (step + 1)
