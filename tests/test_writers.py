@@ -1066,3 +1066,21 @@ def test_large_offset_last_page():
                                  out_loc=torch.tensor([page_size - 1]), kvcache=expected, page_size=page_size,
                                  compress_ratio=4, is_decode=True)
     assert_same_bytes(icache[-1:], expected, "indexer last page")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["kv", "weight", "freqs", "positions", "out_loc"])
+def test_k_writer_rejects_tensors_on_another_device(name):
+    args = _k_args("cuda")
+    args[name] = args[name].cpu()
+    _expect_error(_call_k, args, "fused_k_norm_rope_flashmla", name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["kv", "plan", "norm_weight", "freqs", "out_loc"])
+def test_compress_rejects_tensors_on_another_device(name):
+    args = _c_args("cuda")
+    args[name] = args[name].cpu()
+    _expect_error(_call_c, args, "compress_norm_rope_store", name)
