@@ -6,3 +6,4 @@ CPU and CUDA tensors with bit-identical results.
 
 from .quant import *  # noqa: F401,F403  formats, quantizers, pages, slots, indexer, fake quant
 from .norm_rope import *  # noqa: F401,F403  RMSNorm, RoPE tail, WHT-128, reference fused_store_cache
+from .writers import *  # noqa: F401,F403  reference fused_k_norm_rope_flashmla, compress_norm_rope_store
