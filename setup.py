@@ -25,6 +25,8 @@ CPP_SOURCES = [
     "csrc/cache/fake_quant_cpu.cpp",
     "csrc/metadata/metadata_ops.cpp",
     "csrc/metadata/metadata_cpu.cpp",
+    "csrc/cache/writers_ops.cpp",
+    "csrc/cache/writers_cpu.cpp",
 ]
 
 # Kernels and their plain-C++ launchers (nvcc; no torch headers).
@@ -36,6 +38,7 @@ CUDA_SOURCES = [
     "csrc/metadata/page_table_kernels.cu",
     "csrc/metadata/compression_kernels.cu",
     "csrc/metadata/schedule_kernels.cu",
+    "csrc/cache/writers_kernels.cu",
 ]
 
 # libtorch stable ABI 2.10. torch.utils.cpp_extension adds the Python limited API define itself

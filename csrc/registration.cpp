@@ -50,6 +50,12 @@ void init_compression_metadata_out(Tensor seq_lens, Tensor positions, Tensor raw
                                    Tensor c128_seq_lens_clamp1, Tensor c128_page_indices);
 Tensor get_paged_mqa_logits_metadata(Tensor context_lens, int64_t block_kv, int64_t num_sms);
 void get_paged_mqa_logits_metadata_out(Tensor context_lens, int64_t block_kv, Tensor out);
+// Norm + RoPE writers (csrc/cache/writers_ops.cpp)
+void fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, double eps, Tensor freqs, Tensor positions,
+                                Tensor out_loc, Tensor kvcache, int64_t page_size, int64_t layout);
+void compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, double norm_eps, Tensor freqs,
+                              Tensor out_loc, Tensor kvcache, int64_t page_size, int64_t compress_ratio,
+                              bool is_decode, int64_t layout, bool use_fp4);
 }  // namespace dsv4
 
 STABLE_TORCH_LIBRARY(dsv4, m) {
@@ -89,6 +95,12 @@ STABLE_TORCH_LIBRARY(dsv4, m) {
         "Tensor(i!) c128_page_indices) -> ()");
   m.def("get_paged_mqa_logits_metadata(Tensor context_lens, int block_kv, int num_sms) -> Tensor");
   m.def("get_paged_mqa_logits_metadata_out(Tensor context_lens, int block_kv, Tensor(a!) out) -> ()");
+  // ---- norm + RoPE writers ----
+  m.def("fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, float eps, Tensor freqs, Tensor positions, "
+        "Tensor out_loc, Tensor(a!) kvcache, *, int page_size, int layout=0) -> ()");
+  m.def("compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float norm_eps, Tensor freqs, "
+        "Tensor out_loc, Tensor(a!) kvcache, *, int page_size, int compress_ratio, bool is_decode, "
+        "int layout=0, bool use_fp4=False) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
@@ -98,12 +110,12 @@ STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
 }
 
 // Tensor ops: one host function per op, registered for both backends.
-#define DSV4_REGISTER_TENSOR_OPS(m)                                                       \
-  m.impl("fused_store_cache", TORCH_BOX(&dsv4::fused_store_cache));                       \
-  m.impl("dequantize_k_cache_paged", TORCH_BOX(&dsv4::dequantize_k_cache_paged));         \
-  m.impl("dequantize_k_cache_paged.out", TORCH_BOX(&dsv4::dequantize_k_cache_paged_out)); \
-  m.impl("fake_quant_compressed_kv", TORCH_BOX(&dsv4::fake_quant_compressed_kv));         \
-  m.impl("fake_quant_fp4", TORCH_BOX(&dsv4::fake_quant_fp4));                             \
+#define DSV4_REGISTER_TENSOR_OPS(m)                                                                       \
+  m.impl("fused_store_cache", TORCH_BOX(&dsv4::fused_store_cache));                                       \
+  m.impl("dequantize_k_cache_paged", TORCH_BOX(&dsv4::dequantize_k_cache_paged));                         \
+  m.impl("dequantize_k_cache_paged.out", TORCH_BOX(&dsv4::dequantize_k_cache_paged_out));                 \
+  m.impl("fake_quant_compressed_kv", TORCH_BOX(&dsv4::fake_quant_compressed_kv));                         \
+  m.impl("fake_quant_fp4", TORCH_BOX(&dsv4::fake_quant_fp4));                                             \
   m.impl("build_page_table_positions_small", TORCH_BOX(&dsv4::build_page_table_positions_small));         \
   m.impl("build_page_table_positions_small_out", TORCH_BOX(&dsv4::build_page_table_positions_small_out)); \
   m.impl("build_low_ratio_metadata", TORCH_BOX(&dsv4::build_low_ratio_metadata));                         \
@@ -112,7 +124,9 @@ STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
   m.impl("init_compression_metadata", TORCH_BOX(&dsv4::init_compression_metadata));                       \
   m.impl("init_compression_metadata_out", TORCH_BOX(&dsv4::init_compression_metadata_out));               \
   m.impl("get_paged_mqa_logits_metadata", TORCH_BOX(&dsv4::get_paged_mqa_logits_metadata));               \
-  m.impl("get_paged_mqa_logits_metadata_out", TORCH_BOX(&dsv4::get_paged_mqa_logits_metadata_out));
+  m.impl("get_paged_mqa_logits_metadata_out", TORCH_BOX(&dsv4::get_paged_mqa_logits_metadata_out));       \
+  m.impl("fused_k_norm_rope_flashmla", TORCH_BOX(&dsv4::fused_k_norm_rope_flashmla));                     \
+  m.impl("compress_norm_rope_store", TORCH_BOX(&dsv4::compress_norm_rope_store));
 
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CPU, m) { DSV4_REGISTER_TENSOR_OPS(m) }
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { DSV4_REGISTER_TENSOR_OPS(m) }

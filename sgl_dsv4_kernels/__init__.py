@@ -27,6 +27,8 @@ from .metadata import (
     init_compression_metadata,
     init_compression_metadata_out,
 )
+from .rope import precompute_freqs_cis, precompute_rope_table, rope_table_from_freqs_cis
+from .writers import compress_norm_rope_store, fused_k_norm_rope_flashmla
 
 __all__ = [
     "KVLayout",
@@ -48,4 +50,9 @@ __all__ = [
     "init_compression_metadata_out",
     "get_paged_mqa_logits_metadata",
     "get_paged_mqa_logits_metadata_out",
+    "fused_k_norm_rope_flashmla",
+    "compress_norm_rope_store",
+    "precompute_freqs_cis",
+    "rope_table_from_freqs_cis",
+    "precompute_rope_table",
 ]

@@ -7,28 +7,11 @@
 #include <vector>
 
 #include "cache_launch.h"
+#include "tensor_args.h"
 #include "../common/cuda_context.h"
 #include "../common/op_checks.h"
 
 namespace dsv4 {
-
-namespace {
-
-ElemType elem_type_of(const Tensor& t) {
-  switch (t.scalar_type()) {
-    case ScalarType::BFloat16: return ElemType::BF16;
-    case ScalarType::Half: return ElemType::FP16;
-    default: return ElemType::FP32;
-  }
-}
-
-IndexInput index_input(const Tensor& t) { return IndexInput{t.data_ptr(), is_int64(t)}; }
-
-RowInput row_input(const Tensor& t) {
-  return RowInput{t.data_ptr(), t.size(0) > 1 ? t.stride(0) : t.size(1), elem_type_of(t)};
-}
-
-}  // namespace
 
 void fused_store_cache(Tensor input, Tensor cache, Tensor indices, int64_t page_size,
                        std::string type, int64_t layout, bool use_fp4,

@@ -3,6 +3,8 @@
 
 #include <torch/csrc/stable/device.h>
 
+#include <cmath>
+
 namespace dsv4 {
 
 const char* dtype_name(ScalarType t) {
@@ -112,6 +114,44 @@ FormatTraits checked_layout_traits(const char* op, int64_t layout) {
   DSV4_CHECK(is_known_kv_layout(static_cast<int>(layout)) && layout == int64_t(int(layout)), op,
              "layout must be a KVLayout id (0 = V4, 1 = V41, 2 = V41_FP4), got ", layout);
   return kv_layout_traits(static_cast<KVLayout>(layout));
+}
+
+void check_norm_weight(const char* op, const char* name, const Tensor& t, int64_t width,
+                       const Tensor& ref) {
+  check_same_device(op, name, t, ref);
+  const ScalarType d = t.scalar_type();
+  DSV4_CHECK(d == ScalarType::BFloat16 || d == ScalarType::Float, op, name,
+             " must be bfloat16 or float32, got ", dtype_name(d));
+  check_dim(op, name, t, 1);
+  DSV4_CHECK(t.size(0) == width, op, name, " must have ", width, " elements, got ", t.size(0));
+  DSV4_CHECK(t.stride(0) == 1, op, name, " must be contiguous");
+}
+
+float checked_eps(const char* op, const char* name, double eps) {
+  const float rounded = static_cast<float>(eps);
+  DSV4_CHECK(std::isfinite(eps) && eps >= 0.0 && std::isfinite(rounded), op, name,
+             " must be finite and >= 0, got ", eps);
+  return rounded;
+}
+
+void check_rope_table(const char* op, const char* name, const Tensor& t, const Tensor& ref) {
+  check_same_device(op, name, t, ref);
+  check_dtype(op, name, t, ScalarType::Float);
+  check_dim(op, name, t, 2);
+  DSV4_CHECK(t.size(0) >= 1 && t.size(1) == kRopeDim, op, name, " must be [max_pos >= 1, ", kRopeDim,
+             "], got [", t.size(0), ", ", t.size(1), "]");
+  DSV4_CHECK(t.is_contiguous(), op, name, " must be contiguous");
+}
+
+void check_plan(const char* op, const char* name, const Tensor& t, int64_t rows, const Tensor& ref) {
+  check_same_device(op, name, t, ref);
+  check_dtype(op, name, t, ScalarType::Byte);
+  check_dim(op, name, t, 2);
+  DSV4_CHECK(t.size(0) == rows && t.size(1) == 16, op, name, " must be [", rows, ", 16] (one entry per kv row), got [",
+             t.size(0), ", ", t.size(1), "]");
+  DSV4_CHECK(t.is_contiguous(), op, name, " must be contiguous");
+  const auto addr = reinterpret_cast<uintptr_t>(t.data_ptr());
+  DSV4_CHECK(rows == 0 || addr % 16 == 0, op, name, " data pointer must be 16-byte aligned");
 }
 
 }  // namespace dsv4

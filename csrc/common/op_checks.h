@@ -51,6 +51,16 @@ PagedCache check_cache(const char* op, const char* name, const Tensor& cache,
 
 FormatTraits checked_layout_traits(const char* op, int64_t layout);
 
+// Norm weight: 1-D [width], contiguous, bf16 or fp32 (independently of the activation dtype).
+void check_norm_weight(const char* op, const char* name, const Tensor& t, int64_t width,
+                       const Tensor& ref);
+// eps finite and >= 0 (also after rounding to fp32); returns it rounded to fp32.
+float checked_eps(const char* op, const char* name, double eps);
+// RoPE table: fp32 [max_pos, 64], contiguous, max_pos >= 1.
+void check_rope_table(const char* op, const char* name, const Tensor& t, const Tensor& ref);
+// Compress plan: uint8 [rows, 16], contiguous, 16-byte aligned.
+void check_plan(const char* op, const char* name, const Tensor& t, int64_t rows, const Tensor& ref);
+
 inline bool is_int64(const Tensor& t) { return t.scalar_type() == ScalarType::Long; }
 inline bool is_fp32(const Tensor& t) { return t.scalar_type() == ScalarType::Float; }
 

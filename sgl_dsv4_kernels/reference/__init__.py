@@ -14,3 +14,4 @@ from .metadata import (  # noqa: F401  page tables, low-ratio / compression meta
     get_paged_mqa_logits_metadata_loop,
     init_compression_metadata,
 )
+from .writers import *  # noqa: F401,F403  reference fused_k_norm_rope_flashmla, compress_norm_rope_store

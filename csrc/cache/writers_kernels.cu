@@ -1,0 +1,198 @@
+// CUDA kernels of the norm + RoPE cache writers: one token per warp, 4 warps per block. Main rows:
+// lane l owns dims [16l, 16l+16) (lanes 28..31 the RoPE tail); indexer rows: dims [4l, 4l+4). Lane 0
+// resolves the row's slot and position (from out_loc/positions or the plan entry) before any kv load.
+#include "writers_launch.h"
+#include "dsv4/hadamard.cuh"
+#include "dsv4/launch.cuh"
+#include "dsv4/norm.cuh"
+#include "dsv4/quant.cuh"
+#include "dsv4/rope.cuh"
+#include "dsv4/vec_io.cuh"
+#include "dsv4/warp_quant.cuh"
+#include "dsv4/writer_rows.cuh"
+
+namespace dsv4 {
+
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+
+// Where a row's slot and RoPE position come from.
+enum class RowSource { KWriter, CompressDecode, CompressPrefill };
+
+struct RowTarget {
+  int64_t slot;
+  int64_t position;
+};
+
+// Lane 0 reads the row's indices (and plan entry), the warp receives them by shuffle; returns
+// whether the row is written.
+template <RowSource S>
+__device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t token, int lane,
+                                            RowTarget& t) {
+  long long slot = -1, position = -1;
+  if (lane == 0) {
+    if constexpr (S == RowSource::KWriter) {
+      slot = p.out_loc[token];
+      position = p.positions[token];
+    } else {
+      const uint2 entry = *reinterpret_cast<const uint2*>(p.plan + token * kPlanEntryBytes);
+      const CompressRowPick pick = pick_compress_row(S == RowSource::CompressDecode, entry.x, entry.y,
+                                                     token, p.compress_ratio, p.out_loc_len);
+      if (pick.take) {
+        slot = p.out_loc[pick.out_loc_index];
+        position = pick.position;
+      }
+    }
+  }
+  const int take = lane == 0 && p.cache.valid(slot) && position_in_table(position, p.max_pos);
+  t.slot = __shfl_sync(kFullMask, slot, 0);
+  t.position = __shfl_sync(kFullMask, position, 0);
+  return __shfl_sync(kFullMask, take, 0) != 0;
+}
+
+__device__ __forceinline__ void round_lane_to_bf16(float* v) {
+#pragma unroll
+  for (int i = 0; i < kLaneDims; ++i) v[i] = round_to_bf16(v[i]);
+}
+
+template <int N>
+__device__ __forceinline__ void load_weight(const NormRopeParams& p, int first, float* w) {
+  if (p.weight_fp32) {
+    load_widen<N, true>(static_cast<const float*>(p.weight) + first, w);
+  } else {
+    load_widen<N, false>(static_cast<const uint16_t*>(p.weight) + first, w);
+  }
+}
+
+// K writer (S == KWriter) and compress main writer. V4 quantizes the nope dims of y (rounded to
+// bf16 first on the compress path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4 round y
+// to bf16, rotate the bf16 tail, round again and quantize all 512 values (§1.6).
+template <KVLayout L, bool KvFp32, RowSource S>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(NormRopeParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  pdl_wait_dependencies();
+  if (token >= p.n) return;
+  RowTarget t;
+  if (!resolve_row<S>(p, token, lane, t)) return;
+
+  constexpr size_t kElem = KvFp32 ? 4 : 2;
+  const char* row = static_cast<const char*>(p.kv.data) + token * p.kv.row_stride * kElem;
+  float x[kLaneDims], w[kLaneDims], f[kLaneDims];
+  load_widen<kLaneDims, KvFp32>(row + lane * kLaneDims * kElem, x);
+  load_weight<kLaneDims>(p, lane * kLaneDims, w);
+  const bool rope_lane = lane >= kRopeFirstLane;
+  if (rope_lane) {
+    load_widen<kLaneDims, true>(p.freqs + t.position * kRopeDim + (lane - kRopeFirstLane) * kLaneDims, f);
+  }
+  pdl_launch_dependents();
+
+  float y[kLaneDims];
+  warp_rms_norm<kLaneDims>(x, w, p.eps, y);
+  const bool round_first = L != KVLayout::V4 || (S != RowSource::KWriter && !rope_lane);
+  if (round_first) round_lane_to_bf16(y);
+  if (rope_lane) {
+#pragma unroll
+    for (int j = 0; j < kLaneDims; j += 2) rotate_pair(y[j], y[j + 1], f[j], f[j + 1]);
+    if (L != KVLayout::V4) round_lane_to_bf16(y);  // V4 stores the tail as bf16 itself
+  }
+  quantize_main_lane<L>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
+}
+
+// Compress indexer writer: RMSNorm, rotation of dims 64..127 and the Hadamard transform in fp32
+// (no bf16 rounding anywhere), then the indexer quantizer.
+template <IndexerFormat F, bool KvFp32, RowSource S>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(NormRopeParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  pdl_wait_dependencies();
+  if (token >= p.n) return;
+  RowTarget t;
+  if (!resolve_row<S>(p, token, lane, t)) return;
+
+  constexpr size_t kElem = KvFp32 ? 4 : 2;
+  constexpr int kRopeFirstIndexerLane = (kIndexerDim - kRopeDim) / kIndexerLaneDims;  // 16
+  const char* row = static_cast<const char*>(p.kv.data) + token * p.kv.row_stride * kElem;
+  float x[kIndexerLaneDims], w[kIndexerLaneDims], f[kIndexerLaneDims];
+  load_widen4<KvFp32>(row + lane * kIndexerLaneDims * kElem, x);
+  if (p.weight_fp32) {
+    load_widen4<true>(static_cast<const float*>(p.weight) + lane * kIndexerLaneDims, w);
+  } else {
+    load_widen4<false>(static_cast<const uint16_t*>(p.weight) + lane * kIndexerLaneDims, w);
+  }
+  const bool rope_lane = lane >= kRopeFirstIndexerLane;
+  if (rope_lane) {
+    load_widen4<true>(p.freqs + t.position * kRopeDim + (lane - kRopeFirstIndexerLane) * kIndexerLaneDims, f);
+  }
+  pdl_launch_dependents();
+
+  float y[kIndexerLaneDims];
+  warp_rms_norm<kIndexerLaneDims>(x, w, p.eps, y);
+  if (rope_lane) {
+    rotate_pair(y[0], y[1], f[0], f[1]);
+    rotate_pair(y[2], y[3], f[2], f[3]);
+  }
+  warp_hadamard128(y, lane);
+  quantize_indexer_lane<F>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
+}
+
+dim3 token_grid(int64_t n) { return dim3(unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
+
+template <KVLayout L, RowSource S>
+void launch_main(const NormRopeParams& p, cudaStream_t stream, const char* name) {
+  const bool fp32 = p.kv.type == ElemType::FP32;
+  launch_kernel(fp32 ? norm_rope_main_kernel<L, true, S> : norm_rope_main_kernel<L, false, S>,
+                token_grid(p.n), dim3(kWarpsPerBlock * 32), 0, stream, name, p);
+}
+
+template <RowSource S>
+void launch_main_layout(KVLayout layout, const NormRopeParams& p, cudaStream_t stream, const char* name) {
+  switch (layout) {
+    case KVLayout::V4: launch_main<KVLayout::V4, S>(p, stream, name); break;
+    case KVLayout::V41: launch_main<KVLayout::V41, S>(p, stream, name); break;
+    case KVLayout::V41_FP4: launch_main<KVLayout::V41_FP4, S>(p, stream, name); break;
+  }
+}
+
+template <IndexerFormat F, RowSource S>
+void launch_indexer(const NormRopeParams& p, cudaStream_t stream) {
+  const bool fp32 = p.kv.type == ElemType::FP32;
+  launch_kernel(fp32 ? norm_rope_indexer_kernel<F, true, S> : norm_rope_indexer_kernel<F, false, S>,
+                token_grid(p.n), dim3(kWarpsPerBlock * 32), 0, stream, "compress_norm_rope_store", p);
+}
+
+template <RowSource S>
+void launch_indexer_format(IndexerFormat fmt, const NormRopeParams& p, cudaStream_t stream) {
+  if (fmt == IndexerFormat::FP8) {
+    launch_indexer<IndexerFormat::FP8, S>(p, stream);
+  } else {
+    launch_indexer<IndexerFormat::FP4, S>(p, stream);
+  }
+}
+
+}  // namespace
+
+void k_norm_rope_cuda(KVLayout layout, const NormRopeParams& p, cudaStream_t stream) {
+  launch_main_layout<RowSource::KWriter>(layout, p, stream, "fused_k_norm_rope_flashmla");
+}
+
+void compress_main_cuda(KVLayout layout, const NormRopeParams& p, cudaStream_t stream) {
+  constexpr const char* name = "compress_norm_rope_store";
+  if (p.is_decode) {
+    launch_main_layout<RowSource::CompressDecode>(layout, p, stream, name);
+  } else {
+    launch_main_layout<RowSource::CompressPrefill>(layout, p, stream, name);
+  }
+}
+
+void compress_indexer_cuda(IndexerFormat fmt, const NormRopeParams& p, cudaStream_t stream) {
+  if (p.is_decode) {
+    launch_indexer_format<RowSource::CompressDecode>(fmt, p, stream);
+  } else {
+    launch_indexer_format<RowSource::CompressPrefill>(fmt, p, stream);
+  }
+}
+
+}  // namespace dsv4
