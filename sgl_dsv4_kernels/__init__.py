@@ -14,6 +14,20 @@ from .cache import (
 )
 from .compress import c1_decode_norm_rope_store, c2_decode_or_verify_norm_rope_store, state_ring_size
 from .kv_layout import IndexerFormat, KVLayout, is_valid_kv_layout_pair
+from .metadata import (
+    CompressionMetadata,
+    LowRatioMetadata,
+    PageTablePositions,
+    build_low_ratio_metadata,
+    build_low_ratio_metadata_out,
+    build_page_table_positions_small,
+    build_page_table_positions_small_out,
+    fill_all_compressed_indices,
+    get_paged_mqa_logits_metadata,
+    get_paged_mqa_logits_metadata_out,
+    init_compression_metadata,
+    init_compression_metadata_out,
+)
 from .rope import precompute_freqs_cis, precompute_rope_table, rope_table_from_freqs_cis
 from .writers import compress_norm_rope_store, fused_k_norm_rope_flashmla
 
@@ -25,6 +39,18 @@ __all__ = [
     "dequantize_k_cache_paged",
     "fake_quant_compressed_kv",
     "fake_quant_fp4",
+    "PageTablePositions",
+    "LowRatioMetadata",
+    "CompressionMetadata",
+    "build_page_table_positions_small",
+    "build_page_table_positions_small_out",
+    "build_low_ratio_metadata",
+    "build_low_ratio_metadata_out",
+    "fill_all_compressed_indices",
+    "init_compression_metadata",
+    "init_compression_metadata_out",
+    "get_paged_mqa_logits_metadata",
+    "get_paged_mqa_logits_metadata_out",
     "fused_k_norm_rope_flashmla",
     "compress_norm_rope_store",
     "precompute_freqs_cis",
