@@ -804,7 +804,6 @@ def test_cuda_graph_replay_matches_eager():
     under sync-debug "error", and compare each replay with eager calls on snapshots."""
     c = c1_args("cuda", n=16)
     a = c2_args("cuda", bs=12, ring=8)
-    n2 = a["kv_input"].shape[0]
     refills = []
     for r in range(5):
         new = {k: v.to("cuda").to(a[k].dtype) for k, v in _refill(a, 300 + r, 3).items()}
@@ -855,7 +854,6 @@ def test_cuda_graph_replay_matches_eager():
         want1 = c1_op(e1)
         assert_bits_equal(got1, want1, f"replay {i}: c1 latent")
         assert_same(c1_cache, e1["k_cache"], f"replay {i}: c1 cache")
-    assert n2 == got2.shape[0]
 
 
 @cuda_only
