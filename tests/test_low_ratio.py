@@ -214,6 +214,7 @@ def test_c1_matches_reference(device, layout, page_size, idx_dtype):
     ref = R.c1_decode_norm_rope_store(case["kv_input"].cpu(), case["norm_weight"].cpu(), case["positions"].cpu(),
                                       case["out_loc"].cpu(), EPS, TABLE, ref_cache, page_size, int(layout))
     torch.testing.assert_close(latent.cpu().float(), ref.float(), **LATENT_TOL)
+    assert_bits_equal(latent, ref, "latent (no exp on this path: exact on every device)")
     want = expected_whole_buffer(before, before[:, : case["cache"].shape[1]], latent, case["store"],
                                  case["raw_positions"], page_size, layout)
     assert_same(case["buf"], want, "c1 cache bytes")
@@ -332,6 +333,8 @@ def test_c2_decode_matches_reference(device, layout, page_size, idx_dtype):
     ref_state, ref_cache = state0.clone(), setup.cache.cpu().clone()
     ref = setup.reference(*args, ref_state, ref_cache)
     torch.testing.assert_close(latent.cpu().float(), ref.float(), **LATENT_TOL)
+    if device == "cpu":  # the CPU kernel's exp is the reference's correctly rounded one (pair_pool.cuh)
+        assert_bits_equal(latent, ref, "CPU latent")
 
     # Exactly zero latents for even rows and p < 0; padded odd rows still pool.
     lat = latent.cpu()

@@ -46,9 +46,12 @@ def _store_latents(k_cache, latent, slots, positions, freqs, page_size, layout) 
 
 def pair_pool(k_even, s_even, k_odd, s_odd) -> torch.Tensor:
     """Section 1.5, per channel in fp32: d = s_e - s_o, e = exp(-|d|); (k_e + e*k_o) / (1 + e) if d >= 0,
-    else (e*k_e + k_o) / (1 + e). Separate torch ops (no FMA), IEEE division by a tensor divisor."""
+    else (e*k_e + k_o) / (1 + e). Separate torch ops (no FMA), IEEE division by a tensor divisor.
+
+    e is the float64 exponential rounded once to fp32 (the correctly rounded expf), so the result does not
+    depend on the device's fp32 exp; the kernels' accurate expf may differ from it in the last bit."""
     d = s_even - s_odd
-    e = torch.exp(-d.abs())
+    e = torch.exp((-d.abs()).to(torch.float64)).to(torch.float32)
     denominator = torch.ones_like(e) + e
     even_wins = (k_even + e * k_odd) / denominator
     odd_wins = (e * k_even + k_odd) / denominator
