@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .torch_impls_cache import E2M1_BOUNDS, E2M1_VALUES, store_main
+from .torch_impls_cache import _E2M1_BOUNDS, _E2M1_VALUES, _constant, store_main
 
 
 def _rms_norm(x, weight, eps):
@@ -31,7 +31,7 @@ def _fake_quant_fp4(x):
     tiles = x.view(n, 32, 16)
     scale = (tiles.abs().amax(-1, keepdim=True) / 6.0).clamp(2**-9, 448.0).to(torch.float8_e4m3fn).float()
     q = tiles / scale
-    values = E2M1_VALUES.to(x.device)[torch.bucketize(q.abs(), E2M1_BOUNDS.to(x.device))]
+    values = _constant(_E2M1_VALUES, x.device)[torch.bucketize(q.abs(), _constant(_E2M1_BOUNDS, x.device))]
     return (torch.where(q < 0, -values, values) * scale).view(n, 512)
 
 

@@ -332,7 +332,10 @@ def test_c2_decode_matches_reference(device, layout, page_size, idx_dtype):
 
     ref_state, ref_cache = state0.clone(), setup.cache.cpu().clone()
     ref = setup.reference(*args, ref_state, ref_cache)
-    torch.testing.assert_close(latent.cpu().float(), ref.float(), **LATENT_TOL)
+    # The padded odd row aliasing a live request may pool with a ring row that a live row of this call
+    # writes: its latent is unspecified on CUDA (compressors.md §5.3), so it is left out here.
+    specified = torch.tensor([not (k == "pad_odd" and r == req[0]) for k, r in zip(kinds, req)])
+    torch.testing.assert_close(latent.cpu().float()[specified], ref.float()[specified], **LATENT_TOL)
     if device == "cpu":  # the CPU kernel's exp is the reference's correctly rounded one (pair_pool.cuh)
         assert_bits_equal(latent, ref, "CPU latent")
 
@@ -371,9 +374,13 @@ def test_c2_decode_matches_reference(device, layout, page_size, idx_dtype):
 # c2: verify == draft_len successive decodes
 
 
-def verify_batch(setup: C2Setup, bs: int, draft_len: int, padded: int, seed: int, starts=None, rows=None):
+def verify_batch(setup: C2Setup, bs: int, draft_len: int, padded: int, seed: int, starts=None, rows=None,
+                 alias_live: bool = False):
     """Request-major blocks of draft_len consecutive positions for bs live requests (distinct requests, mixed
-    start parity, distinct cache slots), then `padded` padded blocks whose req aliases the first live request."""
+    start parity, distinct cache slots), then `padded` padded blocks on the dummy request 0, as engines pad, or,
+    with alias_live, on the first live request. An aliasing padded odd row may read a ring row that a live row
+    writes in the same call, so its latent is unspecified (compressors.md §5.3): only tests that compare live
+    rows alone use alias_live."""
     g = gen(seed)
     reqs = (1 + torch.randperm(setup.owners - 1, generator=g))[:bs].tolist()
     if starts is None:
@@ -390,7 +397,7 @@ def verify_batch(setup: C2Setup, bs: int, draft_len: int, padded: int, seed: int
         start = int(torch.randint(0, 300, (1,), generator=g))
         for k in range(draft_len):
             positions.append(start + k)
-            req.append(reqs[0])
+            req.append(reqs[0] if alias_live else 0)
             raw.append(-1 if k % 3 == 0 else 0)
     n = len(positions)
     x = pair_rows(n, seed + 9) if rows is None else rows
@@ -422,7 +429,7 @@ def test_c2_verify_equals_successive_decodes(device, bs, draft_len, padded):
         idx_dtype = INDEX_DTYPES[(bs + draft_len) % 2]
         seed = 10000 + 100 * bs + 10 * draft_len + padded + ring
         setup = C2Setup(layout, 64, ring=ring, owners=bs + 3, seed=seed, device=device)
-        x, positions, req, raw = verify_batch(setup, bs, draft_len, padded, seed)
+        x, positions, req, raw = verify_batch(setup, bs, draft_len, padded, seed, alias_live=True)
         x = x.to(device)
         state_d, cache_d = setup.state.clone(), setup.cache.clone()
         latent_v = setup.call(x, *(idx(v, idx_dtype, device) for v in (positions, req, raw)), draft_len=draft_len)
