@@ -14,7 +14,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout
 
 from . import torch_impls_low_ratio as torch_impls
-from .harness import Bench, compiled, row
+from .harness import torch_baseline_us, Bench, compiled, row
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 VERIFY_SIZES = (8, 64, 256)  # requests; 4 draft rows each
@@ -87,14 +87,6 @@ def _c2_from_ring(a) -> int:
     return int(odd.sum())
 
 
-def _safe(fn):
-    """Runs a torch-baseline timing; a failure (e.g. a compile error) is reported, not fatal."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001
-        print(f"  torch baseline failed: {type(exc).__name__}: {str(exc)[:200]}")
-        return None
-
 
 def _target(n) -> str:
     return "<= 3 us" if n <= 256 else ">= 85 %"
@@ -109,7 +101,7 @@ def _bench_c1(bench, results, layout, weight, table, with_torch):
         us = bench.time_graph([lambda a=a: dsv4.c1_decode_norm_rope_store(
             a["kv"], a["weight"], a["positions"], a["out_loc"], EPS, a["table"], cache, page_size=PAGE,
             layout=layout) for a in calls])
-        t_us = _safe(lambda: bench.time_graph([lambda a=a: theirs(
+        t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(
             a["kv"], a["weight"], EPS, a["table"], a["positions"], a["out_loc"], cache, PAGE, int(layout))
             for a in calls])) if theirs else None
         results.append(row(bench, family="low_ratio", op="c1", case=f"{layout.str_name} decode", n=n, us=us,
@@ -127,7 +119,7 @@ def _bench_c2(bench, results, layout, weight, table, with_torch, draft_len):
         us = bench.time_graph([lambda a=a: dsv4.c2_decode_or_verify_norm_rope_store(
             a["kv"], a["state"], a["weight"], a["positions"], a["req"], a["raw"], EPS, a["table"], cache,
             page_size=PAGE, ring_size=a["ring"], draft_len=a["draft_len"], layout=layout) for a in calls])
-        t_us = _safe(lambda: bench.time_graph([lambda a=a: theirs(
+        t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(
             a["kv"], a["state"], a["weight"], EPS, a["table"], a["positions"], a["req"], a["raw"], cache, PAGE,
             a["ring"], int(layout)) for a in calls])) if theirs else None
         nbytes = c2_bytes(layout, calls[0]["positions"].cpu(), _c2_from_ring(calls[0]))
