@@ -54,16 +54,9 @@ void fused_store_cache(Tensor input, Tensor cache, Tensor indices, int64_t page_
   p.input = row_input(input);
   p.slots = index_input(indices);
   p.n = n;
-  if (cache.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(cache);
-    if (indexer) store_indexer_cuda(fmt, p, ctx.stream()); else store_main_cuda(kv_layout, p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    if (indexer) store_indexer_cpu(fmt, p); else store_main_cpu(kv_layout, p);
-  }
+  run_on_device(
+      op, cache, [&] { indexer ? store_indexer_cpu(fmt, p) : store_main_cpu(kv_layout, p); },
+      [&](auto stream) { indexer ? store_indexer_cuda(fmt, p, stream) : store_main_cuda(kv_layout, p, stream); });
 }
 
 namespace {
@@ -103,16 +96,9 @@ void run_dequantize(const char* op, const DequantArgs& args, const Tensor& cache
   p.out = static_cast<uint16_t*>(out.data_ptr());
   p.out_row_stride = n > 1 ? out.stride(0) : kMainDim;
   p.n = n;
-  if (cache.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(cache);
-    dequantize_cuda(args.layout, p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    dequantize_cpu(args.layout, p);
-  }
+  run_on_device(
+      op, cache, [&] { dequantize_cpu(args.layout, p); },
+      [&](auto stream) { dequantize_cuda(args.layout, p, stream); });
 }
 
 }  // namespace
@@ -174,26 +160,14 @@ FakeQuantParams fake_quant_params(const char* op, const Tensor& x, int block_siz
   return p;
 }
 
-Tensor run_fake_quant(const char* op, const Tensor& x, FakeQuantParams p,
-                      void (*cpu)(const FakeQuantParams&)
-#ifdef USE_CUDA
-                      , void (*cuda)(const FakeQuantParams&, cudaStream_t)
-#endif
-) {
+// Allocates the result and runs one fake-quant implementation on x's device.
+template <class OnCpu, class OnCuda>
+Tensor run_fake_quant(const char* op, const Tensor& x, FakeQuantParams p, OnCpu&& on_cpu, OnCuda&& on_cuda) {
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   Tensor out = torch::stable::new_empty(x, sizes);
   if (p.rows == 0 || p.width == 0) return out;
   p.out = out.data_ptr();
-  if (x.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(x);
-    cuda(p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    cpu(p);
-  }
+  run_on_device(op, x, [&] { on_cpu(p); }, [&](auto stream) { on_cuda(p, stream); });
   return out;
 }
 
@@ -202,11 +176,9 @@ Tensor run_fake_quant(const char* op, const Tensor& x, FakeQuantParams p,
 Tensor fake_quant_compressed_kv(Tensor x) {
   constexpr const char* op = "fake_quant_compressed_kv";
   const FakeQuantParams p = fake_quant_params(op, x, kv_layout_traits(KVLayout::V41_FP4).tile);
-#ifdef USE_CUDA
-  return run_fake_quant(op, x, p, fake_quant_compressed_kv_cpu, fake_quant_compressed_kv_cuda);
-#else
-  return run_fake_quant(op, x, p, fake_quant_compressed_kv_cpu);
-#endif
+  return run_fake_quant(
+      op, x, p, [](const FakeQuantParams& q) { fake_quant_compressed_kv_cpu(q); },
+      [](const FakeQuantParams& q, auto stream) { fake_quant_compressed_kv_cuda(q, stream); });
 }
 
 Tensor fake_quant_fp4(Tensor x, int64_t block_size) {
@@ -214,11 +186,9 @@ Tensor fake_quant_fp4(Tensor x, int64_t block_size) {
   DSV4_CHECK(block_size == 16 || block_size == 32 || block_size == 64 || block_size == 128, op,
              "block_size must be 16, 32, 64 or 128, got ", block_size);
   const FakeQuantParams p = fake_quant_params(op, x, int(block_size));
-#ifdef USE_CUDA
-  return run_fake_quant(op, x, p, fake_quant_fp4_cpu, fake_quant_fp4_cuda);
-#else
-  return run_fake_quant(op, x, p, fake_quant_fp4_cpu);
-#endif
+  return run_fake_quant(
+      op, x, p, [](const FakeQuantParams& q) { fake_quant_fp4_cpu(q); },
+      [](const FakeQuantParams& q, auto stream) { fake_quant_fp4_cuda(q, stream); });
 }
 
 }  // namespace dsv4

@@ -38,16 +38,9 @@ void fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, double eps, Tensor fre
   p.out_loc_len = n;
   p.n = n;
   const auto kv_layout = static_cast<KVLayout>(layout);
-  if (kvcache.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(kvcache);
-    k_norm_rope_cuda(kv_layout, p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    k_norm_rope_cpu(kv_layout, p);
-  }
+  run_on_device(
+      op, kvcache, [&] { k_norm_rope_cpu(kv_layout, p); },
+      [&](auto stream) { k_norm_rope_cuda(kv_layout, p, stream); });
 }
 
 void compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, double norm_eps, Tensor freqs,
@@ -96,16 +89,11 @@ void compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, double
   p.is_decode = is_decode;
   p.n = n;
   const auto kv_layout = static_cast<KVLayout>(layout);
-  if (kvcache.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(kvcache);
-    if (indexer) compress_indexer_cuda(fmt, p, ctx.stream()); else compress_main_cuda(kv_layout, p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    if (indexer) compress_indexer_cpu(fmt, p); else compress_main_cpu(kv_layout, p);
-  }
+  run_on_device(
+      op, kvcache, [&] { indexer ? compress_indexer_cpu(fmt, p) : compress_main_cpu(kv_layout, p); },
+      [&](auto stream) {
+        indexer ? compress_indexer_cuda(fmt, p, stream) : compress_main_cuda(kv_layout, p, stream);
+      });
 }
 
 }  // namespace dsv4

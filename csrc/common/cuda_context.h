@@ -41,4 +41,22 @@ class CudaContext {
   fail(op, "this build of sgl_dsv4_kernels has no CUDA support (rebuild with nvcc available)");
 }
 
+// Runs an op on the device of `anchor`: on_cpu() for CPU tensors, or on_cuda(stream) under a device
+// guard on that device's current stream. on_cuda is a generic lambda (`[&](auto stream) {...}`), so a
+// CPU-only build, which never calls it, never needs the CUDA launchers it names.
+template <class OnCpu, class OnCuda>
+void run_on_device(const char* op, const Tensor& anchor, OnCpu&& on_cpu, OnCuda&& on_cuda) {
+  if (!anchor.is_cuda()) {
+    on_cpu();
+    return;
+  }
+#ifdef USE_CUDA
+  CudaContext ctx(anchor);
+  on_cuda(ctx.stream());
+#else
+  (void)on_cuda;
+  fail_no_cuda(op);
+#endif
+}
+
 }  // namespace dsv4

@@ -55,16 +55,9 @@ Tensor c1_decode_norm_rope_store(Tensor kv_input, Tensor norm_weight, Tensor pos
   p.latent = static_cast<uint16_t*>(latent.data_ptr());
   p.n = n;
   const auto kv_layout = static_cast<KVLayout>(layout);
-  if (k_cache.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(k_cache);
-    c1_decode_cuda(kv_layout, p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    c1_decode_cpu(kv_layout, p);
-  }
+  run_on_device(
+      op, k_cache, [&] { c1_decode_cpu(kv_layout, p); },
+      [&](auto stream) { c1_decode_cuda(kv_layout, p, stream); });
   return latent;
 }
 
@@ -110,16 +103,9 @@ Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Ten
   p.latent = static_cast<uint16_t*>(latent.data_ptr());
   p.n = n;
   const auto kv_layout = static_cast<KVLayout>(layout);
-  if (k_cache.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(k_cache);
-    c2_decode_or_verify_cuda(kv_layout, p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    c2_decode_or_verify_cpu(kv_layout, p);
-  }
+  run_on_device(
+      op, k_cache, [&] { c2_decode_or_verify_cpu(kv_layout, p); },
+      [&](auto stream) { c2_decode_or_verify_cuda(kv_layout, p, stream); });
   return latent;
 }
 

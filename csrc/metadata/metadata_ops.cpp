@@ -65,30 +65,9 @@ bool is_pow2(int64_t v) { return v >= 1 && (v & (v - 1)) == 0; }
 
 int64_t round_up_64(int64_t v) { return (v + 63) / 64 * 64; }
 
-// Runs the CPU implementation or the CUDA launcher on the device of `anchor`.
-template <class Params>
-void run_on_device(const char* op, const Tensor& anchor, const Params& p, void (*cpu)(const Params&)
-#ifdef USE_CUDA
-                   , void (*cuda)(const Params&, cudaStream_t)
-#endif
-) {
-  if (anchor.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(anchor);
-    cuda(p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    cpu(p);
-  }
-}
-
-#ifdef USE_CUDA
-#define DSV4_RUN(op, anchor, p, name) run_on_device(op, anchor, p, name##_cpu, name##_cuda)
-#else
-#define DSV4_RUN(op, anchor, p, name) run_on_device(op, anchor, p, name##_cpu)
-#endif
+// Runs name##_cpu(p) or name##_cuda(p, stream) on the device of `anchor`.
+#define DSV4_RUN(op, anchor, p, name) \
+  run_on_device(op, anchor, [&] { name##_cpu(p); }, [&](auto stream) { name##_cuda(p, stream); })
 
 // ---- build_page_table_positions_small ----
 
