@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using torch::stable::Tensor;
@@ -30,6 +31,24 @@ void fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, double eps, Tensor fre
 void compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, double norm_eps, Tensor freqs,
                               Tensor out_loc, Tensor kvcache, int64_t page_size, int64_t compress_ratio,
                               bool is_decode, int64_t layout, bool use_fp4);
+// c4 / c128 planners and compressor (csrc/compress/plan_ops.cpp, forward_ops.cpp)
+Tensor plan_compress_decode(Tensor req_pool_indices, Tensor seq_lens, std::optional<Tensor> req_to_token,
+                            std::optional<Tensor> full_to_swa, int64_t compress_ratio, int64_t swa_page_size,
+                            int64_t ring_size, bool use_req_ring);
+void plan_compress_decode_out(Tensor req_pool_indices, Tensor seq_lens, std::optional<Tensor> req_to_token,
+                              std::optional<Tensor> full_to_swa, int64_t compress_ratio, int64_t swa_page_size,
+                              int64_t ring_size, bool use_req_ring, Tensor plan_d);
+std::tuple<Tensor, Tensor> plan_compress_prefill(Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens,
+                                                 std::optional<Tensor> req_to_token,
+                                                 std::optional<Tensor> full_to_swa, int64_t num_q_tokens,
+                                                 int64_t compress_ratio, int64_t swa_page_size, int64_t ring_size,
+                                                 bool use_req_ring, bool use_cuda_graph);
+void plan_compress_prefill_out(Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens,
+                               std::optional<Tensor> req_to_token, std::optional<Tensor> full_to_swa,
+                               int64_t num_q_tokens, int64_t compress_ratio, int64_t swa_page_size,
+                               int64_t ring_size, bool use_req_ring, Tensor plan_c, Tensor plan_w);
+Tensor compress_forward(Tensor state, Tensor kv_score_input, Tensor ape, Tensor plan, std::optional<Tensor> plan_w,
+                        int64_t head_dim, int64_t compress_ratio, bool is_decode);
 }  // namespace dsv4
 
 STABLE_TORCH_LIBRARY(dsv4, m) {
@@ -51,6 +70,21 @@ STABLE_TORCH_LIBRARY(dsv4, m) {
   m.def("compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float norm_eps, Tensor freqs, "
         "Tensor out_loc, Tensor(a!) kvcache, *, int page_size, int compress_ratio, bool is_decode, "
         "int layout=0, bool use_fp4=False) -> ()");
+  // ---- c4 / c128 planners and compressor ----
+  m.def("plan_compress_decode(Tensor req_pool_indices, Tensor seq_lens, Tensor? req_to_token, "
+        "Tensor? full_to_swa, int compress_ratio, int swa_page_size, int ring_size, bool use_req_ring=False) "
+        "-> Tensor");
+  m.def("plan_compress_decode_out(Tensor req_pool_indices, Tensor seq_lens, Tensor? req_to_token, "
+        "Tensor? full_to_swa, int compress_ratio, int swa_page_size, int ring_size, bool use_req_ring, "
+        "Tensor(a!) plan_d) -> ()");
+  m.def("plan_compress_prefill(Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens, "
+        "Tensor? req_to_token, Tensor? full_to_swa, int num_q_tokens, int compress_ratio, int swa_page_size, "
+        "int ring_size, bool use_req_ring=False, bool use_cuda_graph=False) -> (Tensor, Tensor)");
+  m.def("plan_compress_prefill_out(Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens, "
+        "Tensor? req_to_token, Tensor? full_to_swa, int num_q_tokens, int compress_ratio, int swa_page_size, "
+        "int ring_size, bool use_req_ring, Tensor(a!) plan_c, Tensor(b!) plan_w) -> ()");
+  m.def("compress_forward(Tensor(a!) state, Tensor kv_score_input, Tensor ape, Tensor plan, Tensor? plan_w, "
+        "int head_dim, int compress_ratio, bool is_decode) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
@@ -67,7 +101,12 @@ STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
   m.impl("fake_quant_compressed_kv", TORCH_BOX(&dsv4::fake_quant_compressed_kv));         \
   m.impl("fake_quant_fp4", TORCH_BOX(&dsv4::fake_quant_fp4));                             \
   m.impl("fused_k_norm_rope_flashmla", TORCH_BOX(&dsv4::fused_k_norm_rope_flashmla));     \
-  m.impl("compress_norm_rope_store", TORCH_BOX(&dsv4::compress_norm_rope_store));
+  m.impl("compress_norm_rope_store", TORCH_BOX(&dsv4::compress_norm_rope_store));              \
+  m.impl("plan_compress_decode", TORCH_BOX(&dsv4::plan_compress_decode));                      \
+  m.impl("plan_compress_decode_out", TORCH_BOX(&dsv4::plan_compress_decode_out));              \
+  m.impl("plan_compress_prefill", TORCH_BOX(&dsv4::plan_compress_prefill));                    \
+  m.impl("plan_compress_prefill_out", TORCH_BOX(&dsv4::plan_compress_prefill_out));            \
+  m.impl("compress_forward", TORCH_BOX(&dsv4::compress_forward));
 
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CPU, m) { DSV4_REGISTER_TENSOR_OPS(m) }
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { DSV4_REGISTER_TENSOR_OPS(m) }
