@@ -43,12 +43,27 @@ def _our_store(fmt):
         x, cache, slots, page_size=PAGE, type="indexer", use_fp4=fmt == IndexerFormat.FP4)
 
 
+_COMPILED = {}
+
+
+def _compiled_once(key, fn):
+    """One torch.compile per (op, format), shared by the decode and the large cases."""
+    if key not in _COMPILED:
+        _COMPILED[key] = compiled(fn)
+    return _COMPILED[key]
+
+
 def _torch_store(fmt):
     if isinstance(fmt, KVLayout):
-        fn = compiled(ref_torch.store_main)
+        fn = _compiled_once(("store", fmt), ref_torch.store_main)
         return lambda x, cache, slots: fn(x, cache, slots, PAGE, int(fmt))
-    fn = compiled(ref_torch.store_indexer)
+    fn = _compiled_once(("store_indexer", fmt), ref_torch.store_indexer)
     return lambda x, cache, slots: fn(x, cache, slots, PAGE, int(fmt))
+
+
+def _torch_dequant(layout):
+    fn = _compiled_once(("dequant", layout), ref_torch.dequantize)
+    return lambda cache, slots: fn(cache, slots, PAGE, int(layout))
 
 
 def _safe(fn):
@@ -106,19 +121,19 @@ def _large_store(bench, results, fmt, name):
 def _decode_dequant(bench, results, layout):
     cache = _cache(layout, DECODE_CACHE_BYTES // layout.bytes_per_token)
     capacity = cache.shape[0] * PAGE
-    theirs = compiled(ref_torch.dequantize)
+    theirs = _torch_dequant(layout)
     for n in DECODE_SIZES:
         slot_sets = torch.randperm(capacity, device="cuda")[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
         outs = [torch.empty(n, 1, 512, dtype=torch.bfloat16, device="cuda") for _ in range(CALLS_PER_GRAPH)]
         us = bench.time_graph([lambda s=s, o=o: dsv4.dequantize_k_cache_paged(cache, s, PAGE, layout=layout, out=o)
                                for s, o in zip(slot_sets, outs)])
-        t_us = _safe(lambda: bench.time_graph([lambda s=s: theirs(cache, s, PAGE, int(layout)) for s in slot_sets]))
+        t_us = _safe(lambda: bench.time_graph([lambda s=s: theirs(cache, s) for s in slot_sets]))
         results.append(row(bench, family="kv_io", op="dequant", case=f"{layout.str_name} decode", n=n, us=us,
                            nbytes=_dequant_bytes(layout, n), torch_us=t_us, target="<= 3 us" if n <= 256 else ""))
 
 
 def _large_dequant(bench, results, layout):
-    theirs = compiled(ref_torch.dequantize)
+    theirs = _torch_dequant(layout)
     for n in LARGE_SIZES:
         cache = _cache(layout, n)
         out = torch.empty(n, 1, 512, dtype=torch.bfloat16, device="cuda")
@@ -126,7 +141,7 @@ def _large_dequant(bench, results, layout):
             slots = (torch.arange(n, device="cuda") if pattern == "consecutive"
                      else torch.randperm(n, device="cuda")).int()
             us = bench.time_single(lambda: dsv4.dequantize_k_cache_paged(cache, slots, PAGE, layout=layout, out=out))
-            t_us = _safe(lambda: bench.time_single(lambda: theirs(cache, slots, PAGE, int(layout))))
+            t_us = _safe(lambda: bench.time_single(lambda: theirs(cache, slots)))
             extra = {}
             if pattern == "random":
                 # Gather of whole stored token rows (data + scale bytes) by the same slots.

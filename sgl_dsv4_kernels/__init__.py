@@ -13,6 +13,8 @@ from .cache import (
     fused_store_cache,
 )
 from .kv_layout import IndexerFormat, KVLayout, is_valid_kv_layout_pair
+from .rope import precompute_freqs_cis, precompute_rope_table, rope_table_from_freqs_cis
+from .writers import compress_norm_rope_store, fused_k_norm_rope_flashmla
 
 __all__ = [
     "KVLayout",
@@ -22,4 +24,9 @@ __all__ = [
     "dequantize_k_cache_paged",
     "fake_quant_compressed_kv",
     "fake_quant_fp4",
+    "fused_k_norm_rope_flashmla",
+    "compress_norm_rope_store",
+    "precompute_freqs_cis",
+    "rope_table_from_freqs_cis",
+    "precompute_rope_table",
 ]

@@ -6,6 +6,9 @@ outputs of the right shape, so the ops trace under ``torch.compile`` and ``opche
 """
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 from .kv_layout import IndexerFormat, KVLayout
@@ -158,3 +161,84 @@ def _fake_quant_fp4(x, *, block_size=32):
     op = "fake_quant_fp4"
     torch._check(block_size in (16, 32, 64, 128), _msg(op, f"block_size must be 16, 32, 64 or 128, got {block_size}"))
     return _check_fake_quant(op, x, block_size)
+
+
+# ---- norm + RoPE writers ----
+
+
+def check_norm_weight(op, name, t, width, ref):
+    check_same_device(op, name, t, ref)
+    torch._check(t.dtype in _ACTIVATION_DTYPES, _msg(op, f"{name} must be bfloat16 or float32, got {t.dtype}"))
+    torch._check(t.dim() == 1, _msg(op, f"{name} must be 1-D, got {t.dim()}-D"))
+    torch._check(t.size(0) == width, _msg(op, f"{name} must have {width} elements"))
+    torch._check(t.stride(0) == 1, _msg(op, f"{name} must be contiguous"))
+
+
+def _finite_in_fp32(x):
+    """x is finite and stays finite when rounded to fp32 (older Pythons raise where it would overflow)."""
+    try:
+        return math.isfinite(x) and math.isfinite(struct.unpack("f", struct.pack("f", x))[0])
+    except OverflowError:
+        return False
+
+
+def check_eps(op, name, eps):
+    torch._check(_finite_in_fp32(eps) and eps >= 0, _msg(op, f"{name} must be finite and >= 0, got {eps}"))
+
+
+def check_rope_table(op, name, t, ref):
+    check_same_device(op, name, t, ref)
+    torch._check(t.dtype == torch.float32, _msg(op, f"{name} must be float32, got {t.dtype}"))
+    torch._check(t.dim() == 2, _msg(op, f"{name} must be 2-D, got {t.dim()}-D"))
+    torch._check(t.size(0) >= 1 and t.size(1) == _ROPE_DIM, _msg(op, f"{name} must be [max_pos >= 1, {_ROPE_DIM}]"))
+    torch._check(t.is_contiguous(), _msg(op, f"{name} must be contiguous"))
+
+
+@_register("fused_k_norm_rope_flashmla")
+def _fused_k_norm_rope_flashmla(kv, weight, eps, freqs, positions, out_loc, kvcache, *, page_size, layout=0):
+    op = "fused_k_norm_rope_flashmla"
+    kv_layout = check_layout(op, layout)
+    check_cache(op, "kvcache", kvcache, kv_layout, page_size, 16)
+    check_activation(op, "kv", kv, _MAIN_DIM, kvcache)
+    check_norm_weight(op, "weight", weight, _MAIN_DIM, kvcache)
+    check_eps(op, "eps", eps)
+    check_rope_table(op, "freqs", freqs, kvcache)
+    check_index_vector(op, "positions", positions, kvcache)
+    check_index_vector(op, "out_loc", out_loc, kvcache)
+    torch._check(positions.size(0) == kv.size(0), _msg(op, "positions must have one entry per kv row"))
+    torch._check(out_loc.size(0) == kv.size(0), _msg(op, "out_loc must have one entry per kv row"))
+    return None
+
+
+@_register("compress_norm_rope_store")
+def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, *, page_size,
+                              compress_ratio, is_decode, layout=0, use_fp4=False):
+    op = "compress_norm_rope_store"
+    kv_layout = check_layout(op, layout)
+    torch._check(kv.dim() == 2, _msg(op, f"kv must be 2-D, got {kv.dim()}-D"))
+    dim = kv.size(1)
+    torch._check(dim in (_MAIN_DIM, _INDEXER_DIM),
+                 _msg(op, f"kv must have {_MAIN_DIM} (main) or {_INDEXER_DIM} (indexer) columns"))
+    if dim == _INDEXER_DIM:
+        torch._check(layout == 0, _msg(op, f"layout must be 0 (V4) for the indexer variant, got {layout}"))
+        fmt, align = (IndexerFormat.FP4 if use_fp4 else IndexerFormat.FP8), 4
+    else:
+        torch._check(not use_fp4, _msg(op, "use_fp4=True requires the indexer variant"))
+        fmt, align = kv_layout, 16
+    check_cache(op, "kvcache", kvcache, fmt, page_size, align)
+    check_activation(op, "kv", kv, dim, kvcache)
+    check_same_device(op, "plan", plan, kvcache)
+    torch._check(plan.dtype == torch.uint8, _msg(op, f"plan must be uint8, got {plan.dtype}"))
+    torch._check(plan.dim() == 2, _msg(op, f"plan must be 2-D, got {plan.dim()}-D"))
+    torch._check(plan.size(0) == kv.size(0) and plan.size(1) == 16,
+                 _msg(op, "plan must be [N, 16] (one entry per kv row)"))
+    torch._check(plan.is_contiguous(), _msg(op, "plan must be contiguous"))
+    check_norm_weight(op, "norm_weight", norm_weight, dim, kvcache)
+    check_eps(op, "norm_eps", norm_eps)
+    check_rope_table(op, "freqs", freqs, kvcache)
+    check_index_vector(op, "out_loc", out_loc, kvcache)
+    torch._check(compress_ratio >= 1, _msg(op, f"compress_ratio must be >= 1, got {compress_ratio}"))
+    if is_decode:
+        torch._check(out_loc.size(0) == kv.size(0),
+                     _msg(op, "out_loc must have one entry per plan row when is_decode=True"))
+    return None

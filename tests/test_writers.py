@@ -1,0 +1,1086 @@
+"""Tests of the norm + RoPE cache writers fused_k_norm_rope_flashmla and compress_norm_rope_store
+(cache-writers.md §7): byte-exact against the reference on CPU and CUDA, poisoned caches compared
+whole, hand-built plans, the §7.4 pins, validation, opcheck, torch.compile, CUDA graphs and PDL.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import sgl_dsv4_kernels as dsv4
+from sgl_dsv4_kernels import IndexerFormat, KVLayout
+from sgl_dsv4_kernels import reference as ref
+from sgl_dsv4_kernels.rope import _yarn_correction_dim
+
+HAS_CUDA = torch.cuda.is_available()
+CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MAX_POS = 4096
+# A compressed-layer table (YaRN, typical V4 values), built once on CPU as a user would.
+TABLE = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0)
+_TABLES = {}
+
+# (page_size, num_pages, rows): capacity > rows (§7.1 matrix), and the P = 1 / 1024 smoke runs.
+MATRIX = [(2, 40, 37), (64, 9, 333), (256, 3, 500)]
+SMOKE = [(1, 50, 20), (1024, 2, 300)]
+KINDS = ["exact", "general", "boundary"]
+# Per call: kv dtype, weight dtype, the two index dtypes, kv shape, cache as a slice of a larger pool.
+COMBOS = [
+    (torch.bfloat16, torch.bfloat16, torch.int32, torch.int32, "contiguous", False),
+    (torch.bfloat16, torch.float32, torch.int64, torch.int32, "strided", True),
+    (torch.float32, torch.bfloat16, torch.int32, torch.int64, "odd_stride", False),
+    (torch.float32, torch.float32, torch.int64, torch.int64, "strided", True),
+]
+MAIN_VARIANTS = ["v4", "v41", "v41_fp4"]
+INDEXER_VARIANTS = ["indexer_fp8", "indexer_fp4"]
+
+BOUNDARY_MAGNITUDES = [0.0, 2**-12, 6 * 2**-9, 0.01, 6 * 1.0625, 6 * 1.1875, 2688.0, 1e6, 8.25, 448.0, 449.0]
+TIE_BLOCK = [8.25, 4.125, 3.4375, -4.8125, 0.0, -0.0, 2.5, -3.5]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    # The reference is thousands of tiny torch ops; intra-op threads only add contention on small machines.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _table(device) -> torch.Tensor:
+    device = torch.device(device)
+    if device not in _TABLES:
+        _TABLES[device] = TABLE.to(device)
+    return _TABLES[device]
+
+
+def _f32(bits: int) -> float:
+    return torch.tensor([bits], dtype=torch.int32).view(torch.float32).item()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inputs (§7.1)
+
+
+def _rows(kind: str, gen: torch.Generator, n: int, d: int):
+    """(x fp32 [n, d], w fp32 [d], eps) for one row kind."""
+    if kind == "general":
+        x = torch.randn(n, d, generator=gen) * torch.exp2(torch.randint(-10, 6, (n, 1), generator=gen).float())
+        x[0, 64:128] = 0.0  # a zero tile
+        x[min(1, n - 1), 32:48] = -0.0  # a -0.0 half tile
+        x[min(2, n - 1), 5] = -1e-10
+        w = torch.randn(d, generator=gen) * 0.5 + 1.0
+        return x, w, 1e-6
+    # Exact-norm rows: x_i = +-2^k, eps = 0, so y = +-w exactly.
+    signs = torch.randint(0, 2, (n, d), generator=gen).float() * 2 - 1
+    x = signs * torch.exp2(torch.randint(-10, 11, (n, 1), generator=gen).float())
+    if kind == "exact":
+        w = torch.randn(d, generator=gen).to(torch.bfloat16).float()
+        w[torch.randperm(d, generator=gen)[: d // 16]] = 0.0
+    else:  # boundary: the quantizer boundary magnitudes reach the quantizer through w
+        w = torch.empty(d)
+        for t in range(d // 16):
+            if t % 12 == 11:
+                w[16 * t: 16 * t + 16] = torch.tensor(TIE_BLOCK * 2)
+            else:
+                m = BOUNDARY_MAGNITUDES[t % 12]
+                w[16 * t: 16 * t + 16] = torch.tensor([m, -m] * 8)
+    return x, w, 0.0
+
+
+def _place(x: torch.Tensor, dtype, shape: str, device):
+    """(cpu view, device view) of the rows in dtype: contiguous, a column slice of a 4x wider buffer, or
+    a slice with a row stride that is not a multiple of 8 elements (misaligned for vector loads)."""
+    n, d = x.shape
+    if shape == "contiguous":
+        buf, cols = x.to(dtype), slice(None)
+    elif shape == "strided":
+        buf, cols = torch.zeros(n, 4 * d, dtype=dtype), slice(d, 2 * d)
+    else:
+        buf, cols = torch.zeros(n, d + 5, dtype=dtype), slice(3, 3 + d)
+    if shape != "contiguous":
+        buf[:, cols] = x.to(dtype)
+    return buf[:, cols], buf.to(device)[:, cols]
+
+
+def _fmt(variant: str):
+    return {"v4": KVLayout.V4, "v41": KVLayout.V41, "v41_fp4": KVLayout.V41_FP4,
+            "indexer_fp8": IndexerFormat.FP8, "indexer_fp4": IndexerFormat.FP4}[variant]
+
+
+class PoisonedCache:
+    """A cache filled with 0xA5 or random bytes, 32 bytes wider than a page, optionally a dim-0 slice
+    of a larger pool. The whole pool is compared, so skipped rows, V4 scale byte 7, page padding and the
+    bytes past page_bytes are all checked."""
+
+    def __init__(self, fmt, page_size, num_pages, device, gen, random_fill, pool):
+        width = fmt.page_bytes(page_size) + 32
+        rows = num_pages + (3 if pool else 0)
+        if random_fill:
+            self.expected = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
+        else:
+            self.expected = torch.full((rows, width), 0xA5, dtype=torch.uint8)
+        self.pages = slice(1, 1 + num_pages) if pool else slice(None)
+        self.pool = self.expected.to(device)
+        self.expected = self.expected.clone()
+
+    @property
+    def ref(self):
+        return self.expected[self.pages]
+
+    @property
+    def dev(self):
+        return self.pool[self.pages]
+
+    def check(self, what=""):
+        assert_same_bytes(self.pool, self.expected, what)
+
+
+def assert_same_bytes(got: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    got = got.cpu()
+    if torch.equal(got, expected):
+        return
+    diff = (got != expected).nonzero()
+    first = diff[:6].tolist()
+    detail = [(tuple(i), int(got[tuple(i)]), int(expected[tuple(i)])) for i in first]
+    raise AssertionError(f"{what}: {diff.shape[0]} bytes differ; (index, got, expected): {detail}")
+
+
+def _slots(gen, n, capacity, dtype, lowest=0):
+    """n slots: distinct valid ones from [lowest, capacity) plus the invalid values of §7.1."""
+    slots = torch.randperm(capacity - lowest, generator=gen)[:n] + lowest
+    invalid = [-1, -capacity, capacity, capacity + 5, 2**40 if dtype == torch.int64 else 2**31 - 1]
+    where = torch.randperm(n, generator=gen)[: len(invalid)]
+    slots[where] = torch.tensor(invalid[: where.numel()])
+    return slots.to(dtype)
+
+
+def _positions(gen, n, dtype):
+    """Random positions in [0, MAX_POS) plus out-of-range ones."""
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+    bad = [MAX_POS, -1, 2**40 if dtype == torch.int64 else 2**31 - 1]
+    where = torch.randperm(n, generator=gen)[: min(n, 2)]
+    pos[where] = torch.tensor([bad[int(torch.randint(0, 3, (1,), generator=gen))] for _ in range(where.numel())])
+    return pos.to(dtype)
+
+
+def _plan(seq_lens, word1, gen) -> torch.Tensor:
+    """uint8 [N, 16] little-endian plan: u32 seq_len at byte 0, u32 word1 at byte 4 (prefill: ragged_id |
+    buffer_len << 16), and random read pages at bytes 8..15, which the writer must ignore."""
+    seq = torch.as_tensor(seq_lens, dtype=torch.int64)
+    w1 = torch.as_tensor(word1, dtype=torch.int64)
+    n = seq.shape[0]
+    plan = torch.randint(0, 256, (n, 16), dtype=torch.uint8, generator=gen)
+    for k in range(4):
+        plan[:, k] = ((seq >> (8 * k)) & 0xFF).to(torch.uint8)
+        plan[:, 4 + k] = ((w1 >> (8 * k)) & 0xFF).to(torch.uint8)
+    return plan
+
+
+def decode_case(gen, n, ratio, capacity, dtype):
+    """(plan, out_loc) of a decode call mixing every row type of §4; rows that may not write carry a
+    real slot, except non-boundary rows, which carry slot 0 like the metadata emits."""
+    slots = (torch.randperm(capacity - 1, generator=gen)[:n] + 1).tolist()
+    seq, loc = [], []
+    for i in range(n):
+        m = int(torch.randint(1, MAX_POS // ratio + 1, (1,), generator=gen))
+        kind = i % 8
+        if kind in (0, 1, 2):  # closes a block: written
+            seq.append(ratio * m)
+            loc.append(slots[i])
+        elif kind == 3:  # does not close a block: out_loc 0, skipped by the modulo test
+            seq.append(ratio * m + 1 + i % (ratio - 1))
+            loc.append(0)
+        elif kind == 4:  # seq_len 0 or seq_len < ratio
+            seq.append(0 if i % 16 == 4 else 1 + i % (ratio - 1))
+            loc.append(slots[i])
+        elif kind == 5:  # position seq_len - ratio == max_pos
+            seq.append(MAX_POS + ratio)
+            loc.append(slots[i])
+        elif kind == 6:  # closes a block, invalid slot
+            seq.append(ratio * m)
+            loc.append([-1, capacity, -capacity][i % 3])
+        else:  # a decode sentinel
+            seq.append(0xFFFFFFFF)
+            loc.append(slots[i])
+    junk = torch.randint(-(2**31), 2**31, (n,), generator=gen)  # write_loc: ignored by the writer
+    return _plan(seq, junk, gen), torch.tensor(loc, dtype=dtype)
+
+
+def prefill_case(gen, n, ratio, capacity, dtype, short_out_loc):
+    """(plan, out_loc) of a prefill call: distinct ragged ids into an out_loc longer than N (or shorter,
+    as context parallelism passes), sentinel entries, out-of-range ragged ids, a non-multiple seq_len
+    (written: no modulo test in prefill), and out-of-range positions."""
+    m_len = n // 2 if short_out_loc else n + 7
+    out_loc = torch.randperm(capacity, generator=gen)[:m_len]
+    out_loc[torch.randperm(m_len, generator=gen)[:3]] = torch.tensor([-1, capacity, capacity + 9])[: min(3, m_len)]
+    ragged = torch.randperm(max(m_len, n), generator=gen)[:n].tolist()
+    seq = []
+    for i in range(n):
+        m = int(torch.randint(1, MAX_POS // ratio + 1, (1,), generator=gen))
+        kind = i % 7
+        if kind == 3:
+            seq.append(0xFFFFFFFF)  # padding entry
+        elif kind == 4:
+            seq.append(ratio * m)
+            ragged[i] = [m_len, m_len + 3, 65535][i % 3]  # ragged_id >= out_loc.size(0)
+        elif kind == 5:
+            seq.append([MAX_POS + ratio, ratio - 1, 0][i % 3])  # position out of range
+        elif kind == 6:
+            seq.append(min(ratio * m + 1, MAX_POS + ratio - 1))  # no modulo test in prefill
+        else:
+            seq.append(ratio * m)
+    buffer_len = torch.randint(0, 65536, (n,), generator=gen)
+    word1 = torch.tensor(ragged, dtype=torch.int64) | (buffer_len << 16)
+    return _plan(seq, word1, gen), out_loc.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running an op and the reference on the same inputs
+
+
+def run_k_writer(device, x, w, eps, combo, page_size, num_pages, layout, gen, random_fill):
+    kv_dtype, w_dtype, pos_dtype, loc_dtype, shape, pool = combo
+    n = x.shape[0]
+    kv_cpu, kv_dev = _place(x, kv_dtype, shape, device)
+    weight = w.to(w_dtype)
+    pos = _positions(gen, n, pos_dtype)
+    loc = _slots(gen, n, num_pages * page_size, loc_dtype)
+    cache = PoisonedCache(layout, page_size, num_pages, device, gen, random_fill, pool)
+    ref.fused_k_norm_rope_flashmla(kv_cpu, weight, eps, TABLE, pos, loc, cache.ref, page_size=page_size, layout=layout)
+    dsv4.fused_k_norm_rope_flashmla(kv_dev, weight.to(device), eps, _table(device), pos.to(device), loc.to(device),
+                                    cache.dev, page_size=page_size, layout=layout)
+    return cache
+
+
+def run_compress(device, variant, x, w, eps, combo, page_size, num_pages, is_decode, ratio, gen, random_fill,
+                 short_out_loc=False):
+    kv_dtype, w_dtype, _, loc_dtype, shape, pool = combo
+    fmt = _fmt(variant)
+    indexer = variant.startswith("indexer")
+    n = x.shape[0]
+    capacity = num_pages * page_size
+    if is_decode:
+        plan, out_loc = decode_case(gen, n, ratio, capacity, loc_dtype)
+    else:
+        plan, out_loc = prefill_case(gen, n, ratio, capacity, loc_dtype, short_out_loc)
+    kv_cpu, kv_dev = _place(x, kv_dtype, shape, device)
+    weight = w.to(w_dtype)
+    cache = PoisonedCache(fmt, page_size, num_pages, device, gen, random_fill, pool)
+    layout = KVLayout.V4 if indexer else fmt
+    use_fp4 = fmt is IndexerFormat.FP4
+    ref.compress_norm_rope_store(kv_cpu, plan, norm_weight=weight, norm_eps=eps, freq_cis=TABLE, out_loc=out_loc,
+                                 kvcache=cache.ref, page_size=page_size, layout=layout, use_fp4=use_fp4,
+                                 compress_ratio=ratio, is_decode=is_decode)
+    dsv4.compress_norm_rope_store(kv_dev, plan.to(device), norm_weight=weight.to(device), norm_eps=eps,
+                                  freq_cis=_table(device), out_loc=out_loc.to(device), kvcache=cache.dev,
+                                  page_size=page_size, layout=layout, use_fp4=use_fp4, compress_ratio=ratio,
+                                  is_decode=is_decode)
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Byte-exact against the reference (§7.2, §7.3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("page_size,num_pages,n", MATRIX)
+@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
+def test_k_writer_matches_reference(device, layout, page_size, num_pages, n, kind):
+    for i, combo in enumerate(COMBOS):
+        gen = _gen("k", layout, page_size, kind, i)
+        x, w, eps = _rows(kind, gen, n, 512)
+        cache = run_k_writer(device, x, w, eps, combo, page_size, num_pages, layout, gen, random_fill=i % 2 == 0)
+        cache.check(f"combo {i}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("page_size,num_pages,n", MATRIX)
+@pytest.mark.parametrize("variant", MAIN_VARIANTS + INDEXER_VARIANTS)
+def test_compress_matches_reference(device, variant, page_size, num_pages, n, kind, is_decode):
+    d = 128 if variant.startswith("indexer") else 512
+    for i, combo in enumerate(COMBOS):
+        ratio = 4 if d == 128 else (4, 128)[i % 2]
+        gen = _gen("c", variant, page_size, kind, is_decode, i)
+        x, w, eps = _rows(kind, gen, n, d)
+        cache = run_compress(device, variant, x, w, eps, combo, page_size, num_pages, is_decode, ratio, gen,
+                             random_fill=i % 2 == 1, short_out_loc=i >= 2)
+        cache.check(f"combo {i}, ratio {ratio}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size,num_pages,n", SMOKE)
+@pytest.mark.parametrize("variant", MAIN_VARIANTS + INDEXER_VARIANTS)
+def test_page_size_smoke(device, variant, page_size, num_pages, n):
+    gen = _gen("smoke", variant, page_size)
+    d = 128 if variant.startswith("indexer") else 512
+    x, w, eps = _rows("general", gen, n, d)
+    combo = COMBOS[1]
+    if d == 512:
+        run_k_writer(device, x, w, eps, combo, page_size, num_pages, _fmt(variant), gen, True).check("k writer")
+    for is_decode in (True, False):
+        run_compress(device, variant, x, w, eps, combo, page_size, num_pages, is_decode, 4, gen, False).check(
+            f"compress decode={is_decode}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", [KVLayout.V41, KVLayout.V41_FP4], ids=lambda l: l.str_name)
+def test_k_writer_v41_composition(device, layout):
+    """Exact-norm rows: the V4.1 K writer equals fused_store_cache(bf16(y), freqs_cis=freqs[positions])."""
+    gen = _gen("composition", layout)
+    n, page_size, num_pages = 100, 64, 4
+    x, w, _ = _rows("exact", gen, n, 512)
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+    loc = torch.randperm(num_pages * page_size, generator=gen)[:n]
+    y = ref.rms_norm_fp32(x, w, 0.0)
+    assert torch.equal(y.abs(), w.abs().expand(n, -1)), "exact-norm rows must give y = +-w"
+    dev = lambda t: t.to(device)  # noqa: E731
+    a = torch.full((num_pages, layout.page_bytes(page_size)), 0xA5, dtype=torch.uint8, device=device)
+    b = a.clone()
+    dsv4.fused_k_norm_rope_flashmla(dev(x.to(torch.bfloat16)), dev(w), 0.0, _table(device), dev(pos), dev(loc), a,
+                                    page_size=page_size, layout=layout)
+    dsv4.fused_store_cache(dev(y.to(torch.bfloat16)), b, dev(loc), page_size=page_size, layout=layout,
+                           freqs_cis=dev(TABLE[pos]))
+    assert_same_bytes(a, b.cpu(), "K writer vs fused_store_cache")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
+def test_k_writer_equals_compress_writer_on_exact_rows(device, layout):
+    """§4: with bf16-representable weights, y = +-w is bf16-representable, so both writers give the same bytes."""
+    gen = _gen("cross", layout)
+    n, page_size, num_pages, ratio = 90, 64, 3, 4
+    x, w, _ = _rows("exact", gen, n, 512)
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+    loc = torch.randperm(num_pages * page_size, generator=gen)[:n]
+    plan = _plan(pos + ratio, torch.arange(n), gen)  # prefill: ragged_id i -> out_loc[i], no modulo test
+    dev = lambda t: t.to(device)  # noqa: E731
+    a = torch.randint(0, 256, (num_pages, layout.page_bytes(page_size)), dtype=torch.uint8, generator=gen).to(device)
+    b = a.clone()
+    dsv4.fused_k_norm_rope_flashmla(dev(x), dev(w), 0.0, _table(device), dev(pos), dev(loc), a,
+                                    page_size=page_size, layout=layout)
+    dsv4.compress_norm_rope_store(dev(x), dev(plan), norm_weight=dev(w), norm_eps=0.0, freq_cis=_table(device),
+                                  out_loc=dev(loc), kvcache=b, page_size=page_size, layout=layout,
+                                  compress_ratio=ratio, is_decode=False)
+    assert_same_bytes(a, b.cpu(), "K writer vs compress writer")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_compress_rope_position_is_seq_len_minus_ratio(device, ratio):
+    """Decode rows rotate at p = seq_len - ratio: the reference at that p matches, at p + 1 it does not
+    (checked with the V41 K writer reference, whose algorithm §4 shares)."""
+    gen = _gen("position", ratio)
+    n, page_size, num_pages = 16, 64, 1
+    x, w, eps = _rows("general", gen, n, 512)
+    seq = ratio * torch.randint(1, MAX_POS // ratio, (n,), generator=gen)
+    loc = torch.randperm(page_size, generator=gen)[:n]
+    plan = _plan(seq, torch.zeros(n, dtype=torch.int64), gen)
+    cache = torch.zeros(num_pages, KVLayout.V41.page_bytes(page_size), dtype=torch.uint8, device=device)
+    dsv4.compress_norm_rope_store(x.to(device), plan.to(device), norm_weight=w.to(device), norm_eps=eps,
+                                  freq_cis=_table(device), out_loc=loc.to(device), kvcache=cache,
+                                  page_size=page_size, layout="v41", compress_ratio=ratio, is_decode=True)
+    for shift, should_match in ((0, True), (1, False)):
+        expected = torch.zeros(num_pages, KVLayout.V41.page_bytes(page_size), dtype=torch.uint8)
+        ref.fused_k_norm_rope_flashmla(x, w, eps, TABLE, seq - ratio + shift, loc, expected, page_size=page_size,
+                                       layout=KVLayout.V41)
+        assert torch.equal(cache.cpu(), expected) == should_match, f"position shift {shift}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reference pins (§7.4), also run through the ops
+
+
+def _identity_table(rows: int = 8) -> torch.Tensor:
+    t = torch.zeros(rows, 64)
+    t[:, 0::2] = 1.0
+    return t
+
+
+NORM_PIN = {  # D: (r, y_0, y_j) for x = [1, 2^-12 x (D - 1)], w = 1, eps = 0
+    512: (0x41B5043E, 0x41B5043E, 0x3BB5043E),
+    128: (0x413504C6, 0x413504C6, 0x3B3504C6),
+}
+
+
+def _norm_pin_row(d):
+    x = torch.full((1, d), 2.0**-12)
+    x[0, 0] = 1.0
+    return x
+
+
+def _norm_pin_y(d):
+    _, y0, yj = NORM_PIN[d]
+    y = torch.full((1, d), _f32(yj))
+    y[0, 0] = _f32(y0)
+    return y
+
+
+@pytest.mark.parametrize("d", [512, 128])
+def test_reference_norm_order_pin(d):
+    y = ref.rms_norm_fp32(_norm_pin_row(d), torch.ones(d), 0.0)
+    assert torch.equal(y.view(torch.int32), _norm_pin_y(d).view(torch.int32))
+    assert y[0, 0].view(torch.int32).item() == NORM_PIN[d][0]  # y_0 = x_0 * r = r
+
+
+def _pin_expected(fmt, y, slot, page_size, k_writer):
+    """Cache bytes for the pinned y, rotated by an identity table, through the §1.6 rounding chain."""
+    expected = torch.full((1, fmt.page_bytes(page_size)), 0xA5, dtype=torch.uint8)
+    if isinstance(fmt, IndexerFormat):
+        ref.store_indexer_cache(expected, ref.hadamard128(y), slot, page_size, int(fmt))
+        return expected
+    rounded = y.to(torch.bfloat16).float()
+    if fmt is not KVLayout.V4:
+        values = rounded
+    elif k_writer:
+        values = y
+    else:
+        values = torch.cat([rounded[:, :448], y[:, 448:]], 1)
+    ref.store_k_cache(expected, values, slot, page_size, int(fmt))
+    return expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", MAIN_VARIANTS + INDEXER_VARIANTS)
+def test_norm_order_pin_through_ops(device, variant):
+    """The §7.4 norm-order row through each op: the stored bytes are those of the hand-computed y."""
+    fmt = _fmt(variant)
+    indexer = isinstance(fmt, IndexerFormat)
+    d = 128 if indexer else 512
+    x, w, y = _norm_pin_row(d).to(device), torch.ones(d, device=device), _norm_pin_y(d)
+    table = _identity_table().to(device)
+    page_size, slot = 2, torch.tensor([1])
+    if not indexer:
+        cache = torch.full((1, fmt.page_bytes(page_size)), 0xA5, dtype=torch.uint8, device=device)
+        dsv4.fused_k_norm_rope_flashmla(x, w, 0.0, table, torch.tensor([3], device=device), slot.to(device), cache,
+                                        page_size=page_size, layout=fmt)
+        assert_same_bytes(cache, _pin_expected(fmt, y, slot, page_size, k_writer=True), "K writer")
+    cache = torch.full((1, fmt.page_bytes(page_size)), 0xA5, dtype=torch.uint8, device=device)
+    plan = _plan([8], [0], _gen("pin")).to(device)  # closes a block, p = 4
+    dsv4.compress_norm_rope_store(x, plan, norm_weight=w, norm_eps=0.0, freq_cis=table, out_loc=slot.to(device),
+                                  kvcache=cache, page_size=page_size, layout=KVLayout.V4 if indexer else fmt,
+                                  use_fp4=fmt is IndexerFormat.FP4, compress_ratio=4, is_decode=True)
+    assert_same_bytes(cache, _pin_expected(fmt, y, slot, page_size, k_writer=False), "compress writer")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_fma_pin_k_writer_v4(device):
+    """§7.4: a contracted re*c - im*s would store 80 33 or 80 B3 at bytes 448..449."""
+    a = _f32(0x3F800800)  # 1 + 2^-12
+    x = torch.ones(1, 512)
+    w = torch.ones(512)
+    w[448] = w[449] = a
+    table = _identity_table()
+    table[2, 0] = table[2, 1] = a
+    page_size = 2
+    cache = torch.full((1, KVLayout.V4.page_bytes(page_size)), 0xA5, dtype=torch.uint8, device=device)
+    dsv4.fused_k_norm_rope_flashmla(x.to(device), w.to(device), 0.0, table.to(device), torch.tensor([2], device=device),
+                                    torch.tensor([0], device=device), cache, page_size=page_size, layout="v4")
+    row = cache[0, :576].cpu()
+    scale = cache[0, 2 * 576: 2 * 576 + 8].cpu()
+    assert (row[:448] == 0x78).all()
+    assert row[448:452].tolist() == [0x00, 0x00, 0x00, 0x40]
+    assert row[452:576].tolist() == [0x80, 0x3F] * 62
+    assert scale.tolist() == [0x77] * 7 + [0xA5]
+    expected = torch.full((1, KVLayout.V4.page_bytes(page_size)), 0xA5, dtype=torch.uint8)
+    ref.fused_k_norm_rope_flashmla(x, w, 0.0, table, torch.tensor([2]), torch.tensor([0]), expected,
+                                   page_size=page_size, layout=0)
+    assert_same_bytes(cache, expected, "reference")
+
+
+def test_reference_hadamard_pins():
+    c = _f32(0x3DB504F3)
+    e5 = torch.zeros(128)
+    e5[5] = 1.0
+    signs = torch.tensor([(-1.0) ** bin(5 & j).count("1") for j in range(128)])
+    assert torch.equal(ref.hadamard128(e5), signs * c)
+    v = torch.zeros(128)
+    v[:4] = torch.tensor([1.0, 1.0, 1.0, 3 * 2.0**-24])
+    expected = torch.tensor([0x3E87C3B7, 0x3DB504F1, 0x3DB504F0, -0x424AFB0F], dtype=torch.int32)  # 0xBDB504F1
+    assert torch.equal(ref.hadamard128(v).view(torch.int32), expected.repeat(32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RoPE tables (§1.3)
+
+
+def test_yarn_worked_example():
+    assert round(_yarn_correction_dim(32, 64, 160000, 65536), 2) == 15.45
+    assert round(_yarn_correction_dim(1, 64, 160000, 65536), 2) == 24.71
+    fc = dsv4.precompute_freqs_cis(64, 64, 65536, 160000.0, 16.0, 32.0, 1.0)
+    assert fc.dtype == torch.complex64 and fc.shape == (64, 32)
+    base = torch.reciprocal(torch.pow(torch.tensor(160000.0), torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    p = torch.arange(64, dtype=torch.float32)
+    plain = torch.polar(torch.ones(64, 32), torch.outer(p, base))
+    scaled = torch.polar(torch.ones(64, 32), torch.outer(p, base / 16.0))
+    lo, hi = 15, 25  # pairs i <= lo keep their frequency, pairs i >= hi are divided by factor
+    assert torch.equal(fc[:, : lo + 1], plain[:, : lo + 1])
+    assert torch.equal(fc[:, hi:], scaled[:, hi:])
+    for i in range(lo + 1, hi):
+        assert not torch.equal(fc[:, i], plain[:, i]) and not torch.equal(fc[:, i], scaled[:, i])
+    # No YaRN: plain frequencies everywhere.
+    assert torch.equal(dsv4.precompute_freqs_cis(64, 64, 0, 160000.0), plain)
+
+
+def test_rope_table_layout():
+    fc = dsv4.precompute_freqs_cis(64, 32, 0, 10000.0)
+    table = dsv4.rope_table_from_freqs_cis(fc)
+    assert table.dtype == torch.float32 and table.shape == (32, 64)
+    assert table.data_ptr() == fc.data_ptr()  # zero-copy for a contiguous input
+    assert torch.equal(table[:, 0::2], fc.real) and torch.equal(table[:, 1::2], fc.imag)
+    strided = fc[::2]
+    copied = dsv4.rope_table_from_freqs_cis(strided)
+    assert copied.is_contiguous() and torch.equal(copied, table[::2])
+    assert torch.equal(dsv4.precompute_rope_table(64, 32, 0, 10000.0), table)
+    with pytest.raises(ValueError, match="complex64"):
+        dsv4.rope_table_from_freqs_cis(table)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def test_wrapper_accepts_plan_object_and_complex_freqs():
+    gen = _gen("wrapper")
+    n, page_size = 12, 16
+    x, w, eps = _rows("general", gen, n, 512)
+    fc = dsv4.precompute_freqs_cis(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0)
+    plan, loc = decode_case(gen, n, 4, 4 * page_size, torch.int64)
+    obj = SimpleNamespace(plan=plan, plan_w=None, compress_ratio=4, is_decode=True)
+    a = torch.zeros(4, KVLayout.V41.page_bytes(page_size), dtype=torch.uint8)
+    b = a.clone()
+    dsv4.compress_norm_rope_store(x, obj, norm_weight=w, norm_eps=eps, freq_cis=fc, out_loc=loc, kvcache=a,
+                                  page_size=page_size, layout="v41")
+    dsv4.compress_norm_rope_store(x, plan, norm_weight=w, norm_eps=eps, freq_cis=TABLE, out_loc=loc, kvcache=b,
+                                  page_size=page_size, layout=KVLayout.V41, compress_ratio=4, is_decode=True)
+    assert torch.equal(a, b) and a.any()
+    with pytest.raises(TypeError, match="compress_ratio and is_decode"):
+        dsv4.compress_norm_rope_store(x, plan, norm_weight=w, norm_eps=eps, freq_cis=fc, out_loc=loc, kvcache=a,
+                                      page_size=page_size)
+    with pytest.raises(ValueError, match="compress_ratio"):
+        dsv4.compress_norm_rope_store(x, obj, norm_weight=w, norm_eps=eps, freq_cis=fc, out_loc=loc, kvcache=a,
+                                      page_size=page_size, compress_ratio=128)
+    c = torch.zeros_like(a)
+    d = torch.zeros_like(a)
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+    dsv4.fused_k_norm_rope_flashmla(x, w, eps, fc, pos, loc, c, page_size=page_size, layout=1)
+    dsv4.fused_k_norm_rope_flashmla(x, w, eps, TABLE, pos, loc, d, page_size=page_size, layout="V41")
+    assert torch.equal(c, d)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host validation (§0): every violation names the op and the argument
+
+
+def _k_args(device="cpu", n=4, page_size=16, layout=0):
+    fmt = KVLayout(layout)
+    return dict(
+        kv=torch.randn(n, 512, device=device), weight=torch.ones(512, device=device), eps=1e-6,
+        freqs=_table(device), positions=torch.arange(n, device=device), out_loc=torch.arange(n, device=device),
+        kvcache=torch.zeros(2, fmt.page_bytes(page_size), dtype=torch.uint8, device=device),
+        page_size=page_size, layout=layout,
+    )
+
+
+def _call_k(a):
+    torch.ops.dsv4.fused_k_norm_rope_flashmla(a["kv"], a["weight"], a["eps"], a["freqs"], a["positions"],
+                                              a["out_loc"], a["kvcache"], page_size=a["page_size"],
+                                              layout=a["layout"])
+
+
+def _c_args(device="cpu", n=4, d=512, page_size=16, layout=0, use_fp4=False, is_decode=True):
+    fmt = IndexerFormat(int(use_fp4)) if d == 128 else KVLayout(layout)
+    return dict(
+        kv=torch.randn(n, d, device=device), plan=_plan([4] * n, [0] * n, _gen("args")).to(device),
+        norm_weight=torch.ones(d, device=device), norm_eps=1e-6, freqs=_table(device),
+        out_loc=torch.arange(n, device=device),
+        kvcache=torch.zeros(2, fmt.page_bytes(page_size), dtype=torch.uint8, device=device),
+        page_size=page_size, compress_ratio=4, is_decode=is_decode, layout=layout, use_fp4=use_fp4,
+    )
+
+
+def _call_c(a):
+    torch.ops.dsv4.compress_norm_rope_store(a["kv"], a["plan"], a["norm_weight"], a["norm_eps"], a["freqs"],
+                                            a["out_loc"], a["kvcache"], page_size=a["page_size"],
+                                            compress_ratio=a["compress_ratio"], is_decode=a["is_decode"],
+                                            layout=a["layout"], use_fp4=a["use_fp4"])
+
+
+def _misaligned_cache(width, pages=2):
+    buf = torch.zeros(pages * width + 16, dtype=torch.uint8)
+    return buf[1: 1 + pages * width].view(pages, width)
+
+
+COMMON_BAD = [  # (argument, replacement builder, whether the fake can see it)
+    ("kv", lambda a: a["kv"].half(), True),
+    ("kv", lambda a: a["kv"][:, :256], True),
+    ("kv", lambda a: a["kv"].unsqueeze(0), True),
+    ("kv", lambda a: a["kv"].t().contiguous().t(), True),
+    ("freqs", lambda a: a["freqs"].double(), True),
+    ("freqs", lambda a: a["freqs"][:, :32].contiguous(), True),
+    ("freqs", lambda a: a["freqs"][:0], True),
+    ("freqs", lambda a: a["freqs"][:, ::1].t().contiguous().t(), True),
+    ("freqs", lambda a: a["freqs"].flatten(), True),
+    ("out_loc", lambda a: a["out_loc"].float(), True),
+    ("out_loc", lambda a: a["out_loc"][:-1], True),
+    ("out_loc", lambda a: torch.stack([a["out_loc"], a["out_loc"]], 1)[:, 0], True),
+    ("kvcache", lambda a: a["kvcache"].to(torch.int8), True),
+    ("kvcache", lambda a: a["kvcache"][:, :-64], True),
+    ("kvcache", lambda a: a["kvcache"].flatten(), True),
+    ("kvcache", lambda a: a["kvcache"].t().contiguous().t(), True),
+    ("kvcache", lambda a: torch.zeros(2, a["kvcache"].shape[1] + 8, dtype=torch.uint8)[:, : a["kvcache"].shape[1]],
+     True),  # stride(0) not a multiple of the alignment
+    ("kvcache", lambda a: _misaligned_cache(a["kvcache"].shape[1]), False),
+    ("page_size", lambda a: 24, True),
+    ("page_size", lambda a: 2048, True),
+    ("layout", lambda a: 3, True),
+]
+
+
+def _bad_cases(extra):
+    return [pytest.param(name, fn, fake, id=f"{name}-{i}") for i, (name, fn, fake) in enumerate(COMMON_BAD + extra)]
+
+
+K_BAD = _bad_cases([
+    ("weight", lambda a: a["weight"].half(), True),
+    ("weight", lambda a: a["weight"][:128], True),
+    ("weight", lambda a: a["weight"].view(1, 512), True),
+    ("weight", lambda a: torch.ones(1024)[::2], True),
+    ("eps", lambda a: -1e-6, True),
+    ("eps", lambda a: float("nan"), True),
+    ("eps", lambda a: float("inf"), True),
+    ("eps", lambda a: 1e300, True),
+    ("positions", lambda a: a["positions"].to(torch.int16), True),
+    ("positions", lambda a: a["positions"][:-1], True),
+])
+
+C_BAD = _bad_cases([
+    ("norm_weight", lambda a: a["norm_weight"][:128], True),
+    ("norm_weight", lambda a: a["norm_weight"].half(), True),
+    ("norm_eps", lambda a: -1.0, True),
+    ("plan", lambda a: a["plan"].to(torch.int8), True),
+    ("plan", lambda a: a["plan"][:, :8].contiguous(), True),
+    ("plan", lambda a: a["plan"][:-1], True),
+    ("plan", lambda a: a["plan"].t().contiguous().t(), True),
+    ("plan", lambda a: torch.zeros(a["plan"].numel() + 16, dtype=torch.uint8)[1: 1 + a["plan"].numel()].view(-1, 16),
+     False),
+    ("compress_ratio", lambda a: 0, True),
+])
+
+
+def _expect_error(call, args, op, name):
+    with pytest.raises(RuntimeError, match=rf"dsv4\.{op}: .*{name}"):
+        call(args)
+
+
+@pytest.mark.parametrize("name,bad,fake_sees", K_BAD)
+def test_k_writer_validation(name, bad, fake_sees):
+    args = _k_args()
+    args[name] = bad(args)
+    _expect_error(_call_k, args, "fused_k_norm_rope_flashmla", name)
+    if fake_sees:
+        _expect_fake_error(_call_k, args, "fused_k_norm_rope_flashmla", name)
+
+
+@pytest.mark.parametrize("name,bad,fake_sees", C_BAD)
+def test_compress_validation(name, bad, fake_sees):
+    args = _c_args()
+    args[name] = bad(args)
+    _expect_error(_call_c, args, "compress_norm_rope_store", name)
+    if fake_sees:
+        _expect_fake_error(_call_c, args, "compress_norm_rope_store", name)
+
+
+def _expect_fake_error(call, args, op, name):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        with pytest.raises(RuntimeError, match=rf"dsv4\.{op}: .*{name}"):
+            call(fake)
+
+
+def test_compress_variant_rules():
+    op = "compress_norm_rope_store"
+    _expect_error(_call_c, _c_args(d=128, layout=1), op, "layout")  # indexer variant requires layout 0
+    _expect_error(_call_c, _c_args(use_fp4=True), op, "use_fp4")  # main variant rejects use_fp4
+    args = _c_args(d=256)
+    args["kv"] = torch.randn(4, 256)
+    _expect_error(_call_c, args, op, "kv")
+    args = _c_args()
+    args["out_loc"] = torch.arange(7)  # decode needs one slot per row ...
+    _expect_error(_call_c, args, op, "out_loc")
+    args["is_decode"] = False  # ... prefill checks no size relation
+    _call_c(args)
+
+
+@pytest.mark.parametrize("call,make", [(_call_k, _k_args), (_call_c, _c_args)], ids=["k_writer", "compress"])
+def test_unaligned_single_page_and_zero_page_caches_accepted(call, make):
+    args = make()
+    width = args["kvcache"].shape[1]
+    args["kvcache"] = torch.zeros(1, width + 8, dtype=torch.uint8)  # stride(0) not a multiple of 16: one page
+    call(args)
+    args["kvcache"] = torch.zeros(0, width, dtype=torch.uint8)  # every slot invalid
+    call(args)
+
+
+@pytest.mark.parametrize("call,make", [(_call_k, _k_args), (_call_c, _c_args)], ids=["k_writer", "compress"])
+def test_zero_rows_are_a_no_op_after_validation(call, make):
+    args = make(n=0)
+    before = args["kvcache"].clone()
+    call(args)
+    assert torch.equal(args["kvcache"], before)
+    args["kvcache"] = args["kvcache"][:, :-64]
+    with pytest.raises(RuntimeError, match="kvcache"):
+        call(args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# opcheck and torch.compile
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
+def test_opcheck_k_writer(device, layout):
+    a = _k_args(device, n=6, layout=int(layout))
+    a["out_loc"][2] = -1
+    torch.library.opcheck(
+        torch.ops.dsv4.fused_k_norm_rope_flashmla.default,
+        (a["kv"], a["weight"], a["eps"], a["freqs"], a["positions"], a["out_loc"], a["kvcache"]),
+        dict(page_size=a["page_size"], layout=a["layout"]),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["v4", "v41_fp4", "indexer_fp8", "indexer_fp4"])
+@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
+def test_opcheck_compress(device, variant, is_decode):
+    indexer = variant.startswith("indexer")
+    fmt = _fmt(variant)
+    a = _c_args(device, n=6, d=128 if indexer else 512, layout=0 if indexer else int(fmt),
+                use_fp4=fmt is IndexerFormat.FP4, is_decode=is_decode)
+    torch.library.opcheck(
+        torch.ops.dsv4.compress_norm_rope_store.default,
+        (a["kv"], a["plan"], a["norm_weight"], a["norm_eps"], a["freqs"], a["out_loc"], a["kvcache"]),
+        dict(page_size=a["page_size"], compress_ratio=4, is_decode=is_decode, layout=a["layout"],
+             use_fp4=a["use_fp4"]),
+    )
+
+
+def _compiled_code(fn, *args):
+    from torch._inductor.utils import run_and_get_code
+
+    _, codes = run_and_get_code(fn, *args)
+    return "\n".join(codes)
+
+
+def _assert_no_cache_copy(code: str):
+    """The compiled code calls the op on the cache itself: no clone, no copy back, no new buffer."""
+    found = re.findall(r"\bclone\(|\bcopy_\(|empty_strided\w*\(", code)
+    assert not found, f"compiled code copies the cache ({found}):\n{code}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_k_writer_without_cache_clone(device):
+    torch._dynamo.reset()
+    page_size, layout = 16, KVLayout.V41
+    table = _table(device)
+
+    def step(kv, w, pos, loc, pool):
+        cache = pool[1:5]  # a dim-0 slice of a pool graph input
+        dsv4.fused_k_norm_rope_flashmla(kv, w, 1e-6, table, pos, loc, cache, page_size=page_size, layout=layout)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for n in (5, 11):  # dynamic over N
+        gen = _gen("compile-k", n)
+        x, w, _ = _rows("general", gen, n, 512)
+        pos = _positions(gen, n, torch.int64).to(device)
+        loc = _slots(gen, n, 4 * page_size, torch.int32).to(device)
+        pool = torch.randint(0, 256, (6, layout.page_bytes(page_size)), dtype=torch.uint8, generator=gen).to(device)
+        expected = pool.clone()
+        step(x.to(device), w.to(device), pos, loc, expected)
+        code = _compiled_code(compiled, x.to(device), w.to(device), pos, loc, pool)
+        _assert_no_cache_copy(code)
+        assert_same_bytes(pool, expected.cpu(), f"compiled n={n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["v4", "indexer_fp4"])
+def test_compile_compress_without_cache_clone(device, variant):
+    torch._dynamo.reset()
+    page_size = 16
+    fmt = _fmt(variant)
+    indexer = variant.startswith("indexer")
+    d = 128 if indexer else 512
+    table = _table(device)
+
+    def step(kv, plan, w, loc, cache):
+        dsv4.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=table, out_loc=loc,
+                                      kvcache=cache, page_size=page_size, use_fp4=indexer and fmt is IndexerFormat.FP4,
+                                      compress_ratio=4, is_decode=True)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for n in (9, 17):
+        gen = _gen("compile-c", variant, n)
+        x, w, _ = _rows("general", gen, n, d)
+        plan, loc = decode_case(gen, n, 4, 4 * page_size, torch.int64)
+        cache = torch.randint(0, 256, (4, fmt.page_bytes(page_size)), dtype=torch.uint8, generator=gen).to(device)
+        expected = cache.clone()
+        args = (x.to(device), plan.to(device), w.to(device), loc.to(device))
+        step(*args, expected)
+        _assert_no_cache_copy(_compiled_code(compiled, *args, cache))
+        assert_same_bytes(cache, expected.cpu(), f"compiled n={n}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA only: peak memory under compile, graphs, PDL, streams, 64-bit offsets
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_compile_peak_memory_below_half_the_cache():
+    torch._dynamo.reset()
+    page_size, layout = 64, KVLayout.V4
+    pages = (64 << 20) // layout.page_bytes(page_size) + 1
+    cache = torch.zeros(pages, layout.page_bytes(page_size), dtype=torch.uint8, device="cuda")
+    table = _table("cuda")
+
+    def step(kv, w, pos, loc, cache):
+        dsv4.fused_k_norm_rope_flashmla(kv, w, 1e-6, table, pos, loc, cache, page_size=page_size, layout=layout)
+
+    compiled = torch.compile(step, fullgraph=True)
+    n = 256
+    kv = torch.randn(n, 512, device="cuda")
+    w = torch.ones(512, device="cuda")
+    pos = torch.arange(n, device="cuda")
+    loc = torch.randperm(pages * page_size, device="cuda")[:n]
+    compiled(kv, w, pos, loc, cache)  # compile outside the measurement
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    compiled(kv, w, pos, loc, cache)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < cache.numel() // 2
+
+
+def _graph_inputs_k(gen, n, capacity):
+    x, w, eps = _rows("general", gen, n, 512)
+    pos = _positions(gen, n, torch.int64)
+    loc = _slots(gen, n, capacity, torch.int32)
+    loc[n - n // 4:] = -1  # padded graph rows
+    return x.cuda(), pos.cuda(), loc.cuda()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
+def test_cuda_graph_replay_equals_eager(layout):
+    page_size, pages, n = 64, 8, 48
+    capacity = pages * page_size
+    table = _table("cuda")
+    gen = _gen("graph", layout)
+    kv, pos, loc = _graph_inputs_k(gen, n, capacity)
+    w = torch.randn(512, generator=gen).cuda()
+    plan, out_loc = decode_case(gen, n, 4, capacity, torch.int64)
+    plan, out_loc = plan.cuda(), out_loc.cuda()
+    k_cache = torch.randint(0, 256, (pages, layout.page_bytes(page_size)), dtype=torch.uint8, generator=gen).cuda()
+    c_cache = k_cache.clone()
+
+    def calls(k_target, c_target):
+        dsv4.fused_k_norm_rope_flashmla(kv, w, 1e-6, table, pos, loc, k_target, page_size=page_size, layout=layout)
+        dsv4.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=table, out_loc=out_loc,
+                                      kvcache=c_target, page_size=page_size, layout=layout, compress_ratio=4,
+                                      is_decode=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls(k_cache.clone(), c_cache.clone())  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls(k_cache, c_cache)
+    assert torch.cuda.memory_allocated() == allocated, "the writers allocate nothing during capture"
+    for trial in range(3):
+        new_kv, new_pos, new_loc = _graph_inputs_k(_gen("graph", layout, trial), n, capacity)
+        new_plan, new_out_loc = decode_case(_gen("graph-plan", trial), n, 4, capacity, torch.int64)
+        kv.copy_(new_kv)
+        pos.copy_(new_pos)
+        loc.copy_(new_loc.roll(trial + 1))  # padded rows move
+        plan.copy_(new_plan)
+        out_loc.copy_(new_out_loc)
+        k_expected, c_expected = k_cache.clone(), c_cache.clone()
+        calls(k_expected, c_expected)
+        torch.cuda.synchronize()
+        before_replay = torch.cuda.memory_allocated()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before_replay, "replay allocates nothing"
+        assert_same_bytes(k_cache, k_expected.cpu(), f"K writer replay {trial}")
+        assert_same_bytes(c_cache, c_expected.cpu(), f"compress replay {trial}")
+
+
+_PDL_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import sgl_dsv4_kernels as dsv4
+    from sgl_dsv4_kernels import KVLayout
+    torch.manual_seed(0)
+    table = dsv4.precompute_rope_table(64, 4096, 65536, 160000.0, 16.0, 32.0, 1.0).cuda()
+    P, pages, n = 64, 16, 256
+    out = {}
+    for layout in KVLayout:
+        cache = torch.zeros(pages, layout.page_bytes(P), dtype=torch.uint8, device="cuda")
+        ccache = cache.clone()
+        deq = []
+        for step in range(20):
+            x = torch.randn(n, 512, device="cuda") * (step + 1)
+            w = torch.randn(512, device="cuda")
+            slots = torch.randperm(pages * P, device="cuda")[:n]
+            pos = torch.randint(0, 4096, (n,), device="cuda")
+            # Back-to-back writers on the same slots: the last one must win with and without PDL.
+            dsv4.fused_store_cache(x, cache, slots, page_size=P, layout=layout)
+            # The K writer reads a tensor that the previous kernel (ours, also under PDL) has just written.
+            produced = dsv4.fake_quant_compressed_kv(x)
+            dsv4.fused_k_norm_rope_flashmla(produced, w, 1e-6, table, pos, slots, cache, page_size=P, layout=layout)
+            plan = torch.zeros(n, 16, dtype=torch.uint8, device="cuda")
+            plan[:, 0] = 8
+            dsv4.compress_norm_rope_store(x, plan, norm_weight=w, norm_eps=1e-6, freq_cis=table, out_loc=slots,
+                                          kvcache=ccache, page_size=P, layout=layout, compress_ratio=4,
+                                          is_decode=True)
+            deq.append(dsv4.dequantize_k_cache_paged(cache, slots, P, layout=layout))
+        out[layout.str_name] = (cache.cpu(), ccache.cpu(), torch.stack(deq).cpu())
+    idx = torch.randn(n, 128, device="cuda")
+    icache = torch.zeros(4, dsv4.IndexerFormat.FP8.page_bytes(64), dtype=torch.uint8, device="cuda")
+    for step in range(10):
+        plan = torch.zeros(n, 16, dtype=torch.uint8, device="cuda")
+        plan[:, 0] = 4 * (step + 1)
+        slots = torch.randperm(256, device="cuda")[:n]
+        dsv4.compress_norm_rope_store(idx * (step + 1), plan, norm_weight=torch.ones(128, device="cuda"),
+                                      norm_eps=1e-6, freq_cis=table, out_loc=slots, kvcache=icache, page_size=64,
+                                      compress_ratio=4, is_decode=True)
+    out["indexer"] = (icache.cpu(),)
+    torch.save(out, sys.argv[1])
+""")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_pdl_on_and_off_give_identical_bytes(tmp_path):
+    results = []
+    for pdl in ("0", "1"):
+        path = tmp_path / f"pdl{pdl}.pt"
+        env = dict(os.environ, SGL_DSV4_PDL=pdl)
+        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        subprocess.run([sys.executable, "-c", _PDL_SCRIPT, str(path)], env=env, check=True, timeout=600)
+        results.append(torch.load(path))
+    off, on = results
+    assert off.keys() == on.keys()
+    for key in off:
+        for a, b in zip(off[key], on[key]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_non_default_stream():
+    gen = _gen("stream")
+    n, page_size, pages = 200, 64, 8
+    x, w, eps = _rows("general", gen, n, 512)
+    pos = _positions(gen, n, torch.int64)
+    loc = _slots(gen, n, pages * page_size, torch.int64)
+    plan, out_loc = prefill_case(gen, n, 4, pages * page_size, torch.int32, short_out_loc=False)
+    k_exp = torch.zeros(pages, KVLayout.V41.page_bytes(page_size), dtype=torch.uint8)
+    c_exp = k_exp.clone()
+    ref.fused_k_norm_rope_flashmla(x, w, eps, TABLE, pos, loc, k_exp, page_size=page_size, layout=1)
+    ref.compress_norm_rope_store(x, plan, norm_weight=w, norm_eps=eps, freq_cis=TABLE, out_loc=out_loc,
+                                 kvcache=c_exp, page_size=page_size, layout=1, compress_ratio=4, is_decode=False)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        k_cache = torch.zeros_like(k_exp, device="cuda")
+        c_cache = torch.zeros_like(c_exp, device="cuda")
+        table = TABLE.cuda()
+        dsv4.fused_k_norm_rope_flashmla(x.cuda(), w.cuda(), eps, table, pos.cuda(), loc.cuda(), k_cache,
+                                        page_size=page_size, layout=1)
+        dsv4.compress_norm_rope_store(x.cuda(), plan.cuda(), norm_weight=w.cuda(), norm_eps=eps, freq_cis=table,
+                                      out_loc=out_loc.cuda(), kvcache=c_cache, page_size=page_size, layout=1,
+                                      compress_ratio=4, is_decode=False)
+    stream.synchronize()
+    assert_same_bytes(k_cache, k_exp, "K writer on a side stream")
+    assert_same_bytes(c_cache, c_exp, "compress writer on a side stream")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_large_offset_last_page():
+    """A cache over 2^31 bytes: the last slot of the last page is written at a 64-bit offset."""
+    page_size, layout = 64, KVLayout.V4
+    page_bytes = layout.page_bytes(page_size)
+    pages = (1 << 31) // page_bytes + 2
+    cache = torch.zeros(pages, page_bytes, dtype=torch.uint8, device="cuda")
+    gen = _gen("large")
+    x, w, eps = _rows("general", gen, 2, 512)
+    last = pages * page_size - 1
+    slots = torch.tensor([last, pages * page_size], device="cuda")  # the second one is out of range
+    dsv4.fused_k_norm_rope_flashmla(x.cuda(), w.cuda(), eps, _table("cuda"), torch.tensor([5, 6], device="cuda"),
+                                    slots, cache, page_size=page_size, layout=layout)
+    expected = torch.zeros(1, page_bytes, dtype=torch.uint8)
+    ref.fused_k_norm_rope_flashmla(x, w, eps, TABLE, torch.tensor([5, 6]), torch.tensor([page_size - 1, -1]),
+                                   expected, page_size=page_size, layout=layout)
+    assert_same_bytes(cache[-1:], expected, "last page")
+    assert not cache[:-1].any().item()
+    # The compress writer (indexer fp8) at the same kind of offset.
+    idx_bytes = IndexerFormat.FP8.page_bytes(page_size)
+    del cache
+    icache = torch.zeros((1 << 31) // idx_bytes + 2, idx_bytes, dtype=torch.uint8, device="cuda")
+    last = icache.shape[0] * page_size - 1
+    xi, wi, _ = _rows("general", gen, 1, 128)
+    plan = _plan([12], [0], gen)
+    dsv4.compress_norm_rope_store(xi.cuda(), plan.cuda(), norm_weight=wi.cuda(), norm_eps=eps,
+                                  freq_cis=_table("cuda"), out_loc=torch.tensor([last], device="cuda"),
+                                  kvcache=icache, page_size=page_size, compress_ratio=4, is_decode=True)
+    expected = torch.zeros(1, idx_bytes, dtype=torch.uint8)
+    ref.compress_norm_rope_store(xi, plan, norm_weight=wi, norm_eps=eps, freq_cis=TABLE,
+                                 out_loc=torch.tensor([page_size - 1]), kvcache=expected, page_size=page_size,
+                                 compress_ratio=4, is_decode=True)
+    assert_same_bytes(icache[-1:], expected, "indexer last page")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["kv", "weight", "freqs", "positions", "out_loc"])
+def test_k_writer_rejects_tensors_on_another_device(name):
+    args = _k_args("cuda")
+    args[name] = args[name].cpu()
+    _expect_error(_call_k, args, "fused_k_norm_rope_flashmla", name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["kv", "plan", "norm_weight", "freqs", "out_loc"])
+def test_compress_rejects_tensors_on_another_device(name):
+    args = _c_args("cuda")
+    args[name] = args[name].cpu()
+    _expect_error(_call_c, args, "compress_norm_rope_store", name)
