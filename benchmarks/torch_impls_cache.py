@@ -9,8 +9,17 @@ import torch
 # (data_bytes, scale_bytes, tile) per main layout id
 MAIN = {0: (576, 8, 64), 1: (512, 16, 32), 2: (256, 32, 16)}
 INDEXER = {0: (128, 4), 1: (64, 4)}  # use_fp4 -> (data_bytes, scale_bytes)
-E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_CONSTANTS = {}
+
+
+def _constant(values, device):
+    """Lookup tables live on the device once, so compiled code copies nothing per call."""
+    key = (values, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, device=device)
+    return _CONSTANTS[key]
 
 
 def _page_views(cache, page_size, data_bytes, scale_bytes):
@@ -26,7 +35,7 @@ def _pow2_scale(amax, divisor, floor):
 
 
 def _fp4_codes(q):
-    idx = torch.bucketize(q.abs(), E2M1_BOUNDS.to(q.device))
+    idx = torch.bucketize(q.abs(), _constant(_E2M1_BOUNDS, q.device))
     return (idx | (q < 0).to(idx.dtype) * 8).to(torch.uint8)
 
 
@@ -79,7 +88,7 @@ def store_indexer(x, cache, slots, page_size, use_fp4):
     else:
         s = x.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
         rows = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-        scales = s.view(torch.uint8)
+        scales = s.reshape(-1).view(torch.uint8).view(-1, 4)
     valid = (slots >= 0) & (slots < cache.shape[0] * page_size)
     slots = torch.where(valid, slots, 0)
     data, scale = _page_views(cache, page_size, data_bytes, scale_bytes)
@@ -98,7 +107,7 @@ def dequantize(cache, slots, page_size, layout):
     n = slots.shape[0]
     if layout == 2:
         codes = torch.stack([rows & 0xF, rows >> 4], -1).view(n, 512).long()
-        vals = E2M1_VALUES.to(cache.device)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+        vals = _constant(_E2M1_VALUES, cache.device)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
         out = (vals.view(n, 32, 16) * scales.view(torch.float8_e4m3fn).float()[..., None]).view(n, 512)
     else:
         quantized = 448 if layout == 0 else 512

@@ -18,11 +18,14 @@ __device__ __forceinline__ void dequant_lane(const uint8_t* data, const uint8_t*
   if constexpr (L == KVLayout::V41_FP4) {
     const uint2 codes = __ldg(reinterpret_cast<const uint2*>(data + 8 * lane));
     const float s = e4m3_decode(__ldg(scale + lane));
+    // e2m1 value times an e4m3 scale has at most 6 significant bits, so the bf16 result is the
+    // top half of the exact fp32 product; only a NaN scale needs the canonical NaN.
+    const bool nan_tile = is_nan_f32(s);
 #pragma unroll
     for (int i = 0; i < kLaneDims; ++i) {
       const uint32_t word = i < 8 ? codes.x : codes.y;
       const uint8_t code = uint8_t((word >> (4 * (i % 8))) & 0xF);
-      out[i] = f32_to_bf16_canonical(e2m1_decode(code) * s);
+      out[i] = nan_tile ? kBf16CanonicalNaN : uint16_t(f32_bits(e2m1_decode(code) * s) >> 16);
     }
   } else {
     if (L == KVLayout::V4 && lane >= kRopeFirstLane) {

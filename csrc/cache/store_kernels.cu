@@ -45,25 +45,33 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
   quantize_main_lane<L>(x, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
+// Indexer rows are short (256 B of bf16), so a warp stores four of them, 8 lanes x 16 dims each,
+// to keep enough bytes in flight.
+constexpr int kIndexerStoreLaneDims = 16;
+constexpr int kIndexerLanesPerRow = kIndexerDim / kIndexerStoreLaneDims;  // 8
+constexpr int kIndexerRowsPerWarp = 32 / kIndexerLanesPerRow;            // 4
+
 template <IndexerFormat F, bool InputFp32>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_indexer_kernel(StoreParams p) {
   const int lane = threadIdx.x & 31;
-  const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int sub = lane % kIndexerLanesPerRow;
+  const int64_t token = (int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * kIndexerRowsPerWarp +
+                        lane / kIndexerLanesPerRow;
   pdl_wait_dependencies();
-  if (token >= p.n) return;
+  if (token >= p.n) return;  // whole 8-lane groups leave together
   const int64_t slot = p.slots[token];
   if (!p.cache.valid(slot)) return;
 
   const size_t elem = InputFp32 ? 4 : 2;
   const char* row = static_cast<const char*>(p.input.data) + token * p.input.row_stride * elem;
-  float x[kIndexerLaneDims];
-  load_widen4<InputFp32>(row + lane * kIndexerLaneDims * elem, x);
+  float x[kIndexerStoreLaneDims];
+  load_widen<kIndexerStoreLaneDims, InputFp32>(row + sub * kIndexerStoreLaneDims * elem, x);
   pdl_launch_dependents();
-
-  quantize_indexer_lane<F>(x, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
+  quantize_indexer_lane<F, kIndexerStoreLaneDims>(x, sub, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
-dim3 token_grid(int64_t n) { return dim3(unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
+// One warp per unit of work (a main row, or four indexer rows).
+dim3 token_grid(int64_t warps) { return dim3(unsigned((warps + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
 
 template <KVLayout L>
 void launch_store_main(const StoreParams& p, cudaStream_t stream) {
@@ -75,8 +83,9 @@ void launch_store_main(const StoreParams& p, cudaStream_t stream) {
 template <IndexerFormat F>
 void launch_store_indexer(const StoreParams& p, cudaStream_t stream) {
   const bool fp32 = p.input.type == ElemType::FP32;
+  const int64_t warps = (p.n + kIndexerRowsPerWarp - 1) / kIndexerRowsPerWarp;
   launch_kernel(fp32 ? store_indexer_kernel<F, true> : store_indexer_kernel<F, false>,
-                token_grid(p.n), dim3(kWarpsPerBlock * 32), 0, stream, "fused_store_cache", p);
+                token_grid(warps), dim3(kWarpsPerBlock * 32), 0, stream, "fused_store_cache", p);
 }
 
 }  // namespace

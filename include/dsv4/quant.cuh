@@ -148,17 +148,13 @@ DSV4_HD void e4m3x2_decode(uint16_t pair, float& lo, float& hi) {
 // ---------------------------------------------------------------------------------------------
 // e2m1 (OCP FP4 E2M1): magnitudes [0, 0.5, 1, 1.5, 2, 3, 4, 6], bit 3 = sign.
 
-DSV4_HD float e2m1_magnitude(int index) {
-  // index >= 2 encodes (1 + (index & 1) / 2) * 2^(index / 2 - 1); computed from bits so that
-  // device code needs no lookup table in local memory.
-  index &= 7;
-  if (index < 2) return index == 0 ? 0.0f : 0.5f;
-  return bits_f32((uint32_t((index >> 1) + 126) << 23) | (uint32_t(index & 1) << 22));
-}
-
+// e2m1 code -> fp32, exact and branch-free: the code's exponent and mantissa bits placed at the
+// top of an fp32 (bits 23-24 and 22) give 2^-126 times the e2m1 value (code exponent 0 lands on the
+// fp32 subnormal m * 2^-127, which is the e2m1 subnormal m * 0.5 scaled the same way), so one
+// exact multiplication by 2^126 decodes every code; bit 3 becomes the sign.
 DSV4_HD float e2m1_decode(uint8_t code) {
-  const float m = e2m1_magnitude(code & 7);
-  return (code & 8) ? -m : m;
+  const uint32_t bits = (uint32_t(code & 8) << 28) | (uint32_t(code & 7) << 22);
+  return bits_f32(bits) * 8.5070591730234616e+37f;  // 2^126
 }
 
 // Round-to-nearest-even magnitude index of a = |v| (exact midpoints go to the even index).
@@ -184,6 +180,8 @@ DSV4_HD uint8_t e2m1_encode_threshold(float v) {
 // t is compared with the exact product t*S under the same strictness. This gives the IEEE quotient's
 // code because a quotient within half an ulp of t cannot come from an x on the other side of t*S
 // (t*S has at most 7 significant bits and is never a power of two for the >= thresholds).
+// The index (number of thresholds passed) is found by a three-step binary search: the first two
+// levels test the >= thresholds 1.75, then 3.5 or 0.75; the last level one of the > thresholds.
 struct E2m1RneThresholds {
   float t[7];
   DSV4_HD explicit E2m1RneThresholds(float scale) {
@@ -192,9 +190,11 @@ struct E2m1RneThresholds {
   }
   DSV4_HD uint8_t encode(float x) const {
     const float a = fabs_f32(x);
-    const int index = (a > t[0]) + (a >= t[1]) + (a > t[2]) + (a >= t[3]) + (a > t[4]) +
-                      (a >= t[5]) + (a > t[6]);
-    return uint8_t(index | ((f32_bits(x) >> 31) << 3));
+    const bool upper = a >= t[3];                 // index >= 4
+    const bool upper_half = a >= (upper ? t[5] : t[1]);  // index >= 6, or >= 2
+    const float last = upper ? (upper_half ? t[6] : t[4]) : (upper_half ? t[2] : t[0]);
+    const int index = (upper ? 4 : 0) | (upper_half ? 2 : 0) | (a > last ? 1 : 0);
+    return uint8_t(index | ((f32_bits(x) >> 28) & 8u));
   }
 };
 

@@ -111,8 +111,12 @@ __device__ __forceinline__ void store_f32(float* dst, const float* v) {
   }
 }
 
+// Max over an aligned group of `lanes` lanes (a power of two <= 32). The shuffle mask names only
+// the group, so a group may leave early while others of its warp continue.
 __device__ __forceinline__ float warp_max_xor(float v, int lanes) {
-  for (int mask = 1; mask < lanes; mask <<= 1) v = fmax_f32(v, __shfl_xor_sync(0xFFFFFFFFu, v, mask));
+  const unsigned lane = threadIdx.x & 31;
+  const unsigned group = lanes >= 32 ? 0xFFFFFFFFu : (((1u << lanes) - 1u) << (lane & ~unsigned(lanes - 1)));
+  for (int mask = 1; mask < lanes; mask <<= 1) v = fmax_f32(v, __shfl_xor_sync(group, v, mask));
   return v;
 }
 

@@ -13,7 +13,7 @@ namespace dsv4 {
 
 constexpr int kLaneDims = kMainDim / 32;                // 16
 constexpr int kRopeFirstLane = kV4NopeDim / kLaneDims;  // 28: lanes 28..31 own the RoPE dims
-constexpr int kIndexerLaneDims = kIndexerDim / 32;      // 4
+constexpr int kIndexerLaneDims = kIndexerDim / 32;      // 4 (one row per warp)
 
 // Quantizes this lane's 16 values of the row into the layout's data and scale rows. The tile
 // amax is reduced over the lanes that share a tile (V4: 4, V41: 2, V41_FP4: 1).
@@ -60,29 +60,60 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int lane, uin
   }
 }
 
-// Quantizes this lane's 4 values of an indexer row (fp8: one tile of 128 over the warp, fp32
-// scale stored by lane 0; fp4: tiles of 32 = 8 lanes, scale bytes stored by lanes 0/8/16/24).
-template <IndexerFormat F>
-__device__ __forceinline__ void quantize_indexer_lane(const float* x, int lane, uint8_t* data,
+// Quantizes this lane's LaneDims values of an indexer row held by 128 / LaneDims adjacent lanes
+// (`sub` = the lane's index among them). fp8: one tile of 128, its fp32 scale stored by sub-lane 0;
+// fp4: tiles of 32, each scale byte stored by the tile's first lane. The data row is only 4-byte
+// aligned in general (indexer caches), so wide stores are chosen from the address.
+template <IndexerFormat F, int LaneDims = kIndexerLaneDims>
+__device__ __forceinline__ void quantize_indexer_lane(const float* x, int sub, uint8_t* data,
                                                       uint8_t* scale) {
-  float amax = fmax_f32(fmax_f32(fabs_f32(x[0]), fabs_f32(x[1])), fmax_f32(fabs_f32(x[2]), fabs_f32(x[3])));
+  static_assert(LaneDims % 4 == 0 && LaneDims <= 32, "a lane holds whole 4-element words");
+  constexpr int kLanesPerRow = kIndexerDim / LaneDims;
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < LaneDims; ++i) amax = fmax_f32(amax, fabs_f32(x[i]));
+  uint32_t words[LaneDims / 4];  // fp8: 4 codes per word; fp4: 8 codes per word (first half used)
   if constexpr (F == IndexerFormat::FP8) {
-    amax = warp_max_xor(amax, 32);
+    amax = warp_max_xor(amax, kLanesPerRow);
     const float s = __fdiv_rn(fmax_f32(amax, amax_floor()), kE4m3Max);
     const float inv = __fdiv_rn(1.0f, s);
-    const uint32_t lo = e4m3x2_encode(x[0] * inv, x[1] * inv);
-    const uint32_t hi = e4m3x2_encode(x[2] * inv, x[3] * inv);
-    *reinterpret_cast<uint32_t*>(data + 4 * lane) = lo | (hi << 16);
-    if (lane == 0) *reinterpret_cast<float*>(scale) = s;
+#pragma unroll
+    for (int k = 0; k < LaneDims / 4; ++k) {
+      words[k] = uint32_t(e4m3x2_encode(x[4 * k] * inv, x[4 * k + 1] * inv)) |
+                 (uint32_t(e4m3x2_encode(x[4 * k + 2] * inv, x[4 * k + 3] * inv)) << 16);
+    }
+    uint8_t* dst = data + LaneDims * sub;
+    bool stored = false;
+    if constexpr (LaneDims == 16) {
+      if (aligned16(dst)) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+        stored = true;
+      }
+    }
+    if (!stored) {
+#pragma unroll
+      for (int k = 0; k < LaneDims / 4; ++k) reinterpret_cast<uint32_t*>(dst)[k] = words[k];
+    }
+    if (sub == 0) *reinterpret_cast<float*>(scale) = s;
   } else {
-    constexpr int kLanesPerTile = IndexerTraits<F>::kTile / 4;  // 8
+    constexpr int kTile = IndexerTraits<F>::kTile;
+    constexpr int kLanesPerTile = kTile / LaneDims;
+    static_assert(kTile % LaneDims == 0, "a lane's values lie in one tile");
     amax = warp_max_xor(amax, kLanesPerTile);
     const uint8_t b = indexer_fp4_scale_byte(amax);
     const float inv = inverse_scale_of_byte(b);
-    const uint32_t codes = e2m1_encode_threshold(x[0] * inv) | (e2m1_encode_threshold(x[1] * inv) << 4) |
-                           (e2m1_encode_threshold(x[2] * inv) << 8) | (e2m1_encode_threshold(x[3] * inv) << 12);
-    *reinterpret_cast<uint16_t*>(data + 2 * lane) = uint16_t(codes);
-    if (lane % kLanesPerTile == 0) scale[lane / kLanesPerTile] = b;
+#pragma unroll
+    for (int k = 0; k < LaneDims / 4; ++k) words[k] = 0;
+#pragma unroll
+    for (int i = 0; i < LaneDims; ++i) words[i / 8] |= uint32_t(e2m1_encode_threshold(x[i] * inv)) << (4 * (i % 8));
+    uint8_t* dst = data + (LaneDims / 2) * sub;
+    if constexpr (LaneDims == 4) {
+      *reinterpret_cast<uint16_t*>(dst) = uint16_t(words[0]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < LaneDims / 8; ++k) reinterpret_cast<uint32_t*>(dst)[k] = words[k];
+    }
+    if (sub % kLanesPerTile == 0) scale[sub / kLanesPerTile] = b;
   }
 }
 

@@ -3,3 +3,6 @@
 Nothing here imports or calls the compiled extension. Speed is irrelevant; every function runs on
 CPU and CUDA tensors with bit-identical results.
 """
+
+from .quant import *  # noqa: F401,F403  formats, quantizers, pages, slots, indexer, fake quant
+from .norm_rope import *  # noqa: F401,F403  RMSNorm, RoPE tail, WHT-128, reference fused_store_cache

@@ -1,0 +1,49 @@
+"""The V41_FP4 encoder compares |x| with the exact products t*S instead of dividing (spec §10 allows
+it when a test sweeps every positive e4m3 scale, every threshold and a band of ulps around each
+product). This is that sweep, through fake_quant_compressed_kv on CPU and CUDA, against the
+reference's IEEE division.
+"""
+import pytest
+import torch
+
+import sgl_dsv4_kernels as dsv4
+from sgl_dsv4_kernels import reference as ref
+
+THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+ULPS = 64
+BLOCK = 16
+
+
+def sweep_blocks() -> torch.Tensor:
+    """Blocks of 16 whose element 0 is 6*S (so the block scale is exactly the e4m3 value S) and
+    whose other 15 elements walk +-64 ulps around t*S for every threshold t, both signs."""
+    scales = ref.e4m3_decode(torch.arange(1, 0x7F, dtype=torch.uint8))  # every positive finite e4m3
+    products = (scales[:, None] * torch.tensor(THRESHOLDS)[None, :]).reshape(-1)  # exact in fp32
+    offsets = torch.arange(-ULPS, ULPS + 1, dtype=torch.int32)
+    values = (products.view(torch.int32)[:, None] + offsets[None, :]).view(torch.float32)
+    values = torch.stack([values, -values], 1).reshape(len(scales), -1)  # per scale
+    per_block = BLOCK - 1
+    width = (values.shape[1] + per_block - 1) // per_block * per_block
+    values = torch.nn.functional.pad(values, (0, width - values.shape[1]))
+    blocks = values.view(len(scales), -1, per_block)
+    head = (6.0 * scales)[:, None, None].expand(-1, blocks.shape[1], 1)
+    return torch.cat([head, blocks], 2).reshape(-1, BLOCK)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_threshold_products_equal_ieee_division(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = sweep_blocks()
+    assert x.shape[0] > 7000  # 126 scales x 7 thresholds x 129 ulps x 2 signs, 15 per block
+    expected = ref.fake_quant_compressed_kv(x)
+    got = dsv4.fake_quant_compressed_kv(x.to(device)).cpu()
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    # The same tiles through the cache writer: codes and scales byte-equal to the reference rows.
+    rows = x.reshape(-1)[: x.numel() // 512 * 512].reshape(-1, 512)
+    cache = torch.zeros(rows.shape[0], dsv4.KVLayout.V41_FP4.page_bytes(1), dtype=torch.uint8, device=device)
+    slots = torch.arange(rows.shape[0], device=device)
+    dsv4.fused_store_cache(rows.to(device), cache, slots, page_size=1, layout="v41_fp4")
+    data, scale = ref.quantize_rows(rows, dsv4.KVLayout.V41_FP4)
+    assert torch.equal(cache[:, :256].cpu(), data)
+    assert torch.equal(cache[:, 256:288].cpu(), scale)
