@@ -6,11 +6,22 @@ import torch  # noqa: F401  (the extension needs libtorch loaded first)
 
 from . import _C  # noqa: F401  registers torch.ops.dsv4.*
 from . import _fake  # noqa: F401  registers the fake (meta) implementations
+from . import _fake_compress  # noqa: F401  fakes of the c4/c128 planners and compressor
 from .cache import (
     dequantize_k_cache_paged,
     fake_quant_compressed_kv,
     fake_quant_fp4,
     fused_store_cache,
+)
+from .compress import (
+    CompressPlan,
+    alloc_compress_state,
+    ape_for_kernel,
+    check_ring_serves_draft_tokens,
+    compress_forward,
+    plan_compress_decode,
+    plan_compress_prefill,
+    state_ring_size,
 )
 from .kv_layout import IndexerFormat, KVLayout, is_valid_kv_layout_pair
 from .rope import precompute_freqs_cis, precompute_rope_table, rope_table_from_freqs_cis
@@ -29,4 +40,12 @@ __all__ = [
     "precompute_freqs_cis",
     "rope_table_from_freqs_cis",
     "precompute_rope_table",
+    "CompressPlan",
+    "plan_compress_decode",
+    "plan_compress_prefill",
+    "compress_forward",
+    "state_ring_size",
+    "check_ring_serves_draft_tokens",
+    "alloc_compress_state",
+    "ape_for_kernel",
 ]

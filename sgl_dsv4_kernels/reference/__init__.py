@@ -6,3 +6,5 @@ CPU and CUDA tensors with bit-identical results.
 
 from .quant import *  # noqa: F401,F403  formats, quantizers, pages, slots, indexer, fake quant
 from .norm_rope import *  # noqa: F401,F403  RMSNorm, RoPE tail, WHT-128, reference fused_store_cache
+from .plans import *  # noqa: F401,F403  c4/c128 planners, unpack_plan
+from .compress import *  # noqa: F401,F403  c4/c128 compress_forward, fp64 ground truth
