@@ -20,6 +20,7 @@ FAMILIES = {
     "kv_io": "benchmarks.bench_cache",
     "writers": "benchmarks.bench_writers",
     "metadata": "benchmarks.bench_metadata",
+    "compress": "benchmarks.bench_compress",
 }
 
 
