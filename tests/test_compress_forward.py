@@ -1,8 +1,6 @@
-"""Tests of compress_forward for c4 and c128 (compressors.md §4, §8.1, §8.3): outputs against the fp64
-truth, exact state rows and an untouched pad page over prefill / decode / extend / verify sequences, the
-reference compressor, a plan -> compress -> store -> dequant pipeline, validation, opcheck,
-torch.compile without state clones, CUDA-graph replay with padded rows and PDL on/off.
-"""
+"""Tests of compress_forward, c4 and c128 (compressors.md §4, §8.1, §8.3): fp64 truth, exact state rows and
+the pad page over prefill / decode / extend / verify sequences, the plan -> compress -> store -> dequant
+pipeline, validation, opcheck, compile without state clones, CUDA-graph replay and PDL on/off."""
 from __future__ import annotations
 
 import os

@@ -1,8 +1,6 @@
-"""Tests of the c4/c128 planners plan_compress_decode / plan_compress_prefill (+ _out) (compressors.md
-§2-3, §8.2): hand-checked plans, the reference planner, byte equality of every path, ring residency
-under speculation, write sets, uint16 and batch bounds, sentinels, invalid lookups, validation, opcheck
-and the ring utilities.
-"""
+"""Tests of the c4/c128 planners (compressors.md §2-3, §8.2): hand pins, the reference planner, equal bytes
+on every path, ring residency under speculation, write sets, uint16 / batch bounds, sentinels, invalid
+lookups, validation, opcheck, compile and the ring utilities."""
 from __future__ import annotations
 
 import pytest
