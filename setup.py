@@ -23,6 +23,8 @@ CPP_SOURCES = [
     "csrc/cache/store_cpu.cpp",
     "csrc/cache/dequant_cpu.cpp",
     "csrc/cache/fake_quant_cpu.cpp",
+    "csrc/metadata/metadata_ops.cpp",
+    "csrc/metadata/metadata_cpu.cpp",
     "csrc/cache/writers_ops.cpp",
     "csrc/cache/writers_cpu.cpp",
     # c4 / c128 planners and compressor
@@ -38,6 +40,9 @@ CUDA_SOURCES = [
     "csrc/cache/store_kernels.cu",
     "csrc/cache/dequant_kernels.cu",
     "csrc/cache/fake_quant_kernels.cu",
+    "csrc/metadata/page_table_kernels.cu",
+    "csrc/metadata/compression_kernels.cu",
+    "csrc/metadata/schedule_kernels.cu",
     "csrc/cache/writers_kernels.cu",
     # c4 / c128 planners and compressor
     "csrc/compress/plan_kernels.cu",

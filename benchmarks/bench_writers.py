@@ -127,7 +127,6 @@ def _decode(bench, results, op, fmt, table, with_torch):
         t_us = _safe(lambda: bench.time_graph([lambda a=a: theirs(a, cache) for a in calls])) if theirs else None
         results.append(row(bench, family="writers", op=op, case=f"{_name(fmt)} decode", n=n, us=us,
                            nbytes=_bytes(op, fmt, calls[0]), torch_us=t_us, target="<= 3 us" if n <= 256 else ""))
-        del calls
 
 
 def _large(bench, results, op, fmt, table, with_torch):
@@ -142,8 +141,6 @@ def _large(bench, results, op, fmt, table, with_torch):
             t_us = _safe(lambda: bench.time_single(lambda: theirs(a, cache))) if theirs else None
             results.append(row(bench, family="writers", op=op, case=f"{_name(fmt)} {pattern}", n=n, us=us,
                                nbytes=_bytes(op, fmt, a), torch_us=t_us, target=_target_large(op, fmt, pattern)))
-            del a
-        del cache
 
 
 def run(bench: Bench, results, ops=("k_writer", "compress"), with_torch=True) -> None:

@@ -25,6 +25,31 @@ void dequantize_k_cache_paged_out(Tensor cache, Tensor slots, int64_t page_size,
                                   Tensor out);
 Tensor fake_quant_compressed_kv(Tensor x);
 Tensor fake_quant_fp4(Tensor x, int64_t block_size);
+// metadata (csrc/metadata/)
+std::tuple<Tensor, Tensor, Tensor, Tensor> build_page_table_positions_small(
+    Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, int64_t max_seq_len, int64_t page_size,
+    int64_t swa_window);
+void build_page_table_positions_small_out(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens,
+                                          int64_t page_size, int64_t swa_window, Tensor seq_lens_out,
+                                          Tensor positions, Tensor page_table, Tensor swa_lengths);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_low_ratio_metadata(
+    Tensor seq_lens, Tensor out_loc, int64_t topk);
+void build_low_ratio_metadata_out(Tensor seq_lens, Tensor out_loc, int64_t topk, Tensor c1_out_loc,
+                                  Tensor c1_seq_lens, Tensor c1_sparse_lens, Tensor c1_page_indices,
+                                  Tensor c2_out_loc, Tensor c2_seq_lens, Tensor c2_sparse_lens,
+                                  Tensor c2_page_indices);
+void fill_all_compressed_indices(Tensor page_table, Tensor compressed_seq_lens, Tensor page_indices,
+                                 int64_t compress_ratio, int64_t page_size, std::optional<Tensor> raw_indices);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> init_compression_metadata(
+    Tensor seq_lens, Tensor positions, Tensor raw_out_loc, std::optional<Tensor> page_table, int64_t page_size,
+    bool compute_page_indices);
+void init_compression_metadata_out(Tensor seq_lens, Tensor positions, Tensor raw_out_loc,
+                                   std::optional<Tensor> page_table, int64_t page_size, Tensor c4_out_loc,
+                                   Tensor c4_positions, Tensor c4_seq_lens_raw, Tensor c4_seq_lens_clamp1,
+                                   Tensor c128_out_loc, Tensor c128_positions, Tensor c128_seq_lens_raw,
+                                   Tensor c128_seq_lens_clamp1, Tensor c128_page_indices);
+Tensor get_paged_mqa_logits_metadata(Tensor context_lens, int64_t block_kv, int64_t num_sms);
+void get_paged_mqa_logits_metadata_out(Tensor context_lens, int64_t block_kv, Tensor out);
 // Norm + RoPE writers (csrc/cache/writers_ops.cpp)
 void fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, double eps, Tensor freqs, Tensor positions,
                                 Tensor out_loc, Tensor kvcache, int64_t page_size, int64_t layout);
@@ -64,6 +89,30 @@ STABLE_TORCH_LIBRARY(dsv4, m) {
         "Tensor(a!) out) -> ()");
   m.def("fake_quant_compressed_kv(Tensor x) -> Tensor");
   m.def("fake_quant_fp4(Tensor x, *, int block_size=32) -> Tensor");
+  // ---- metadata ----
+  m.def("build_page_table_positions_small(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+        "int max_seq_len, int page_size, int swa_window) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("build_page_table_positions_small_out(Tensor req_to_token, Tensor req_pool_indices, "
+        "Tensor seq_lens, int page_size, int swa_window, Tensor(a!) seq_lens_out, Tensor(b!) positions, "
+        "Tensor(c!) page_table, Tensor(d!) swa_lengths) -> ()");
+  m.def("build_low_ratio_metadata(Tensor seq_lens, Tensor out_loc, int topk) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("build_low_ratio_metadata_out(Tensor seq_lens, Tensor out_loc, int topk, "
+        "Tensor(a!) c1_out_loc, Tensor(b!) c1_seq_lens, Tensor(c!) c1_sparse_lens, "
+        "Tensor(d!) c1_page_indices, Tensor(e!) c2_out_loc, Tensor(f!) c2_seq_lens, "
+        "Tensor(g!) c2_sparse_lens, Tensor(h!) c2_page_indices) -> ()");
+  m.def("fill_all_compressed_indices(Tensor page_table, Tensor compressed_seq_lens, "
+        "Tensor(a!) page_indices, int compress_ratio, int page_size, Tensor(b!)? raw_indices=None) -> ()");
+  m.def("init_compression_metadata(Tensor seq_lens, Tensor positions, Tensor raw_out_loc, "
+        "Tensor? page_table=None, int page_size=0, bool compute_page_indices=True) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("init_compression_metadata_out(Tensor seq_lens, Tensor positions, Tensor raw_out_loc, "
+        "Tensor? page_table, int page_size, Tensor(a!) c4_out_loc, Tensor(b!) c4_positions, "
+        "Tensor(c!) c4_seq_lens_raw, Tensor(d!) c4_seq_lens_clamp1, Tensor(e!) c128_out_loc, "
+        "Tensor(f!) c128_positions, Tensor(g!) c128_seq_lens_raw, Tensor(h!) c128_seq_lens_clamp1, "
+        "Tensor(i!) c128_page_indices) -> ()");
+  m.def("get_paged_mqa_logits_metadata(Tensor context_lens, int block_kv, int num_sms) -> Tensor");
+  m.def("get_paged_mqa_logits_metadata_out(Tensor context_lens, int block_kv, Tensor(a!) out) -> ()");
   // ---- norm + RoPE writers ----
   m.def("fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, float eps, Tensor freqs, Tensor positions, "
         "Tensor out_loc, Tensor(a!) kvcache, *, int page_size, int layout=0) -> ()");
@@ -94,18 +143,27 @@ STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
 }
 
 // Tensor ops: one host function per op, registered for both backends.
-#define DSV4_REGISTER_TENSOR_OPS(m)                                                       \
-  m.impl("fused_store_cache", TORCH_BOX(&dsv4::fused_store_cache));                       \
-  m.impl("dequantize_k_cache_paged", TORCH_BOX(&dsv4::dequantize_k_cache_paged));         \
-  m.impl("dequantize_k_cache_paged.out", TORCH_BOX(&dsv4::dequantize_k_cache_paged_out)); \
-  m.impl("fake_quant_compressed_kv", TORCH_BOX(&dsv4::fake_quant_compressed_kv));         \
-  m.impl("fake_quant_fp4", TORCH_BOX(&dsv4::fake_quant_fp4));                             \
-  m.impl("fused_k_norm_rope_flashmla", TORCH_BOX(&dsv4::fused_k_norm_rope_flashmla));     \
-  m.impl("compress_norm_rope_store", TORCH_BOX(&dsv4::compress_norm_rope_store));              \
-  m.impl("plan_compress_decode", TORCH_BOX(&dsv4::plan_compress_decode));                      \
-  m.impl("plan_compress_decode_out", TORCH_BOX(&dsv4::plan_compress_decode_out));              \
-  m.impl("plan_compress_prefill", TORCH_BOX(&dsv4::plan_compress_prefill));                    \
-  m.impl("plan_compress_prefill_out", TORCH_BOX(&dsv4::plan_compress_prefill_out));            \
+#define DSV4_REGISTER_TENSOR_OPS(m)                                                                       \
+  m.impl("fused_store_cache", TORCH_BOX(&dsv4::fused_store_cache));                                       \
+  m.impl("dequantize_k_cache_paged", TORCH_BOX(&dsv4::dequantize_k_cache_paged));                         \
+  m.impl("dequantize_k_cache_paged.out", TORCH_BOX(&dsv4::dequantize_k_cache_paged_out));                 \
+  m.impl("fake_quant_compressed_kv", TORCH_BOX(&dsv4::fake_quant_compressed_kv));                         \
+  m.impl("fake_quant_fp4", TORCH_BOX(&dsv4::fake_quant_fp4));                                             \
+  m.impl("build_page_table_positions_small", TORCH_BOX(&dsv4::build_page_table_positions_small));         \
+  m.impl("build_page_table_positions_small_out", TORCH_BOX(&dsv4::build_page_table_positions_small_out)); \
+  m.impl("build_low_ratio_metadata", TORCH_BOX(&dsv4::build_low_ratio_metadata));                         \
+  m.impl("build_low_ratio_metadata_out", TORCH_BOX(&dsv4::build_low_ratio_metadata_out));                 \
+  m.impl("fill_all_compressed_indices", TORCH_BOX(&dsv4::fill_all_compressed_indices));                   \
+  m.impl("init_compression_metadata", TORCH_BOX(&dsv4::init_compression_metadata));                       \
+  m.impl("init_compression_metadata_out", TORCH_BOX(&dsv4::init_compression_metadata_out));               \
+  m.impl("get_paged_mqa_logits_metadata", TORCH_BOX(&dsv4::get_paged_mqa_logits_metadata));               \
+  m.impl("get_paged_mqa_logits_metadata_out", TORCH_BOX(&dsv4::get_paged_mqa_logits_metadata_out));       \
+  m.impl("fused_k_norm_rope_flashmla", TORCH_BOX(&dsv4::fused_k_norm_rope_flashmla));                     \
+  m.impl("compress_norm_rope_store", TORCH_BOX(&dsv4::compress_norm_rope_store));                         \
+  m.impl("plan_compress_decode", TORCH_BOX(&dsv4::plan_compress_decode));                                 \
+  m.impl("plan_compress_decode_out", TORCH_BOX(&dsv4::plan_compress_decode_out));                         \
+  m.impl("plan_compress_prefill", TORCH_BOX(&dsv4::plan_compress_prefill));                               \
+  m.impl("plan_compress_prefill_out", TORCH_BOX(&dsv4::plan_compress_prefill_out));                       \
   m.impl("compress_forward", TORCH_BOX(&dsv4::compress_forward));
 
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CPU, m) { DSV4_REGISTER_TENSOR_OPS(m) }

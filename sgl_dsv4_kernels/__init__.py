@@ -24,6 +24,20 @@ from .compress import (
     state_ring_size,
 )
 from .kv_layout import IndexerFormat, KVLayout, is_valid_kv_layout_pair
+from .metadata import (
+    CompressionMetadata,
+    LowRatioMetadata,
+    PageTablePositions,
+    build_low_ratio_metadata,
+    build_low_ratio_metadata_out,
+    build_page_table_positions_small,
+    build_page_table_positions_small_out,
+    fill_all_compressed_indices,
+    get_paged_mqa_logits_metadata,
+    get_paged_mqa_logits_metadata_out,
+    init_compression_metadata,
+    init_compression_metadata_out,
+)
 from .rope import precompute_freqs_cis, precompute_rope_table, rope_table_from_freqs_cis
 from .writers import compress_norm_rope_store, fused_k_norm_rope_flashmla
 
@@ -35,6 +49,18 @@ __all__ = [
     "dequantize_k_cache_paged",
     "fake_quant_compressed_kv",
     "fake_quant_fp4",
+    "PageTablePositions",
+    "LowRatioMetadata",
+    "CompressionMetadata",
+    "build_page_table_positions_small",
+    "build_page_table_positions_small_out",
+    "build_low_ratio_metadata",
+    "build_low_ratio_metadata_out",
+    "fill_all_compressed_indices",
+    "init_compression_metadata",
+    "init_compression_metadata_out",
+    "get_paged_mqa_logits_metadata",
+    "get_paged_mqa_logits_metadata_out",
     "fused_k_norm_rope_flashmla",
     "compress_norm_rope_store",
     "precompute_freqs_cis",

@@ -163,6 +163,242 @@ def _fake_quant_fp4(x, *, block_size=32):
     return _check_fake_quant(op, x, block_size)
 
 
+# ---- metadata ----
+# Shapes of spec/metadata.md §2-§7; sizes come from shapes and int arguments only.
+
+_MAX_ROWS = 2**31 - 1
+_MAX_TOPK = 2**30
+_MAX_NUM_SMS = 1024
+_C128_PAGE_SIZE_RANGE = (128, 2**16)
+
+
+def _is_pow2(v):
+    return v >= 1 and (v & (v - 1)) == 0
+
+
+def _check_int_vector(op, name, t, ref):
+    """1-D int32/int64 of any stride on ref's device."""
+    check_same_device(op, name, t, ref)
+    torch._check(t.dtype in _INDEX_DTYPES, _msg(op, f"{name} must be int32 or int64, got {t.dtype}"))
+    torch._check(t.dim() == 1, _msg(op, f"{name} must be 1-D, got {t.dim()}-D"))
+    torch._check(t.size(0) <= _MAX_ROWS, _msg(op, f"{name} has too many entries"))
+
+
+def _check_int_table(op, name, t, ref):
+    """2-D int32/int64 with any row stride and stride(1) == 1."""
+    check_same_device(op, name, t, ref)
+    torch._check(t.dtype in _INDEX_DTYPES, _msg(op, f"{name} must be int32 or int64, got {t.dtype}"))
+    torch._check(t.dim() == 2, _msg(op, f"{name} must be 2-D, got {t.dim()}-D"))
+    torch._check(t.size(1) <= 1 or t.stride(1) == 1, _msg(op, f"{name} must have stride(1) == 1"))
+
+
+def _check_out(op, name, t, ref, dtype, shape):
+    """A caller-owned output buffer: fixed dtype, exact shape, contiguous."""
+    check_same_device(op, name, t, ref)
+    torch._check(t.dtype == dtype, _msg(op, f"{name} must be {dtype}, got {t.dtype}"))
+    torch._check(t.dim() == len(shape), _msg(op, f"{name} must be {len(shape)}-D, got {t.dim()}-D"))
+    for dim, size in enumerate(shape):
+        torch._check(t.size(dim) == size, _msg(op, f"{name} must have size {size} in dim {dim}"))
+    torch._check(t.is_contiguous(), _msg(op, f"{name} must be contiguous"))
+
+
+def _check_page_table_args(op, req_to_token, req_pool_indices, seq_lens, page_size, swa_window):
+    _check_int_table(op, "req_to_token", req_to_token, req_to_token)
+    _check_int_vector(op, "seq_lens", seq_lens, req_to_token)
+    _check_int_vector(op, "req_pool_indices", req_pool_indices, req_to_token)
+    torch._check(
+        req_pool_indices.size(0) == seq_lens.size(0),
+        _msg(op, "req_pool_indices must have one entry per seq_lens row"),
+    )
+    check_page_size(op, page_size)
+    torch._check(swa_window >= 1, _msg(op, f"swa_window must be >= 1, got {swa_window}"))
+    return seq_lens.size(0)
+
+
+@_register("build_page_table_positions_small")
+def _build_page_table_positions_small(req_to_token, req_pool_indices, seq_lens, max_seq_len, page_size, swa_window):
+    op = "build_page_table_positions_small"
+    rows = _check_page_table_args(op, req_to_token, req_pool_indices, seq_lens, page_size, swa_window)
+    torch._check(
+        0 <= max_seq_len <= req_to_token.size(1),
+        _msg(op, f"max_seq_len must be in [0, req_to_token.size(1)], got {max_seq_len}"),
+    )
+    pages = (max_seq_len + page_size - 1) // page_size
+    new = lambda *shape: req_to_token.new_empty(shape, dtype=torch.int32)  # noqa: E731
+    return new(rows), new(rows), new(rows, pages), new(rows)
+
+
+@_register("build_page_table_positions_small_out")
+def _build_page_table_positions_small_out(
+    req_to_token, req_pool_indices, seq_lens, page_size, swa_window, seq_lens_out, positions, page_table, swa_lengths
+):
+    op = "build_page_table_positions_small_out"
+    rows = _check_page_table_args(op, req_to_token, req_pool_indices, seq_lens, page_size, swa_window)
+    torch._check(page_table.dim() == 2, _msg(op, f"page_table must be 2-D, got {page_table.dim()}-D"))
+    pages = page_table.size(1)
+    torch._check(
+        pages == 0 or (pages - 1) * page_size < req_to_token.size(1),
+        _msg(op, "page_table has more columns than req_to_token holds pages"),
+    )
+    for name, t, shape in (
+        ("seq_lens_out", seq_lens_out, (rows,)),
+        ("positions", positions, (rows,)),
+        ("page_table", page_table, (rows, pages)),
+        ("swa_lengths", swa_lengths, (rows,)),
+    ):
+        _check_out(op, name, t, req_to_token, torch.int32, shape)
+    return None
+
+
+def _check_low_ratio_args(op, seq_lens, out_loc, topk):
+    _check_int_vector(op, "seq_lens", seq_lens, seq_lens)
+    _check_int_vector(op, "out_loc", out_loc, seq_lens)
+    torch._check(out_loc.size(0) == seq_lens.size(0), _msg(op, "out_loc must have one entry per seq_lens row"))
+    torch._check(1 <= topk <= _MAX_TOPK, _msg(op, f"topk must be in [1, {_MAX_TOPK}], got {topk}"))
+    return seq_lens.size(0), (topk + 63) // 64 * 64
+
+
+_LOW_RATIO_FIELDS = (
+    ("out_loc", torch.int64, False),
+    ("seq_lens", torch.int32, False),
+    ("sparse_lens", torch.int32, False),
+    ("page_indices", torch.int32, True),
+)
+
+
+@_register("build_low_ratio_metadata")
+def _build_low_ratio_metadata(seq_lens, out_loc, topk):
+    rows, padded = _check_low_ratio_args("build_low_ratio_metadata", seq_lens, out_loc, topk)
+    outputs = []
+    for _ in (1, 2):
+        for _, dtype, is_row in _LOW_RATIO_FIELDS:
+            outputs.append(seq_lens.new_empty((rows, padded) if is_row else (rows,), dtype=dtype))
+    return tuple(outputs)
+
+
+@_register("build_low_ratio_metadata_out")
+def _build_low_ratio_metadata_out(seq_lens, out_loc, topk, c1_out_loc, c1_seq_lens, c1_sparse_lens, c1_page_indices,
+                                  c2_out_loc, c2_seq_lens, c2_sparse_lens, c2_page_indices):
+    op = "build_low_ratio_metadata_out"
+    buffers = (c1_out_loc, c1_seq_lens, c1_sparse_lens, c1_page_indices,
+               c2_out_loc, c2_seq_lens, c2_sparse_lens, c2_page_indices)
+    rows, padded = _check_low_ratio_args(op, seq_lens, out_loc, topk)
+    for k, ratio in enumerate((1, 2)):
+        for j, (field, dtype, is_row) in enumerate(_LOW_RATIO_FIELDS):
+            shape = (rows, padded) if is_row else (rows,)
+            _check_out(op, f"c{ratio}_{field}", buffers[4 * k + j], seq_lens, dtype, shape)
+    return None
+
+
+@_register("fill_all_compressed_indices")
+def _fill_all_compressed_indices(page_table, compressed_seq_lens, page_indices, compress_ratio, page_size,
+                                 raw_indices=None):
+    op = "fill_all_compressed_indices"
+    _check_int_table(op, "page_table", page_table, page_table)
+    _check_int_vector(op, "compressed_seq_lens", compressed_seq_lens, page_table)
+    rows = compressed_seq_lens.size(0)
+    torch._check(page_table.size(0) == rows, _msg(op, "page_table must have one row per compressed_seq_lens entry"))
+    torch._check(_is_pow2(compress_ratio), _msg(op, f"compress_ratio must be a power of two, got {compress_ratio}"))
+    check_page_size(op, page_size)
+    torch._check(page_size % compress_ratio == 0, _msg(op, "page_size must be a multiple of compress_ratio"))
+    torch._check(page_indices.dim() == 2, _msg(op, f"page_indices must be 2-D, got {page_indices.dim()}-D"))
+    shape = (rows, page_indices.size(1))
+    _check_out(op, "page_indices", page_indices, page_table, torch.int32, shape)
+    if raw_indices is not None:
+        _check_out(op, "raw_indices", raw_indices, page_table, torch.int32, shape)
+    return None
+
+
+def _check_compression_args(op, seq_lens, positions, raw_out_loc):
+    _check_int_vector(op, "seq_lens", seq_lens, seq_lens)
+    _check_int_vector(op, "positions", positions, seq_lens)
+    _check_int_vector(op, "raw_out_loc", raw_out_loc, seq_lens)
+    bs = seq_lens.size(0)
+    torch._check(positions.size(0) == bs, _msg(op, "positions must have one entry per seq_lens row"))
+    torch._check(raw_out_loc.size(0) <= bs, _msg(op, "raw_out_loc has more entries than seq_lens rows"))
+    return bs, raw_out_loc.size(0)
+
+
+def _c128_width(op, page_table, page_size, seq_lens):
+    torch._check(page_table is not None, _msg(op, "page_table is required to compute the c128 page indices"))
+    _check_int_table(op, "page_table", page_table, seq_lens)
+    torch._check(page_table.size(0) == seq_lens.size(0), _msg(op, "page_table must have one row per seq_lens row"))
+    lo, hi = _C128_PAGE_SIZE_RANGE
+    torch._check(
+        _is_pow2(page_size) and lo <= page_size <= hi,
+        _msg(op, f"page_size must be a power of two in [{lo}, {hi}] to compute the c128 page indices, got {page_size}"),
+    )
+    cap = page_size // 128 * page_table.size(1)
+    return (cap + 63) // 64 * 64
+
+
+@_register("init_compression_metadata")
+def _init_compression_metadata(seq_lens, positions, raw_out_loc, page_table=None, page_size=0,
+                               compute_page_indices=True):
+    op = "init_compression_metadata"
+    bs, num_locs = _check_compression_args(op, seq_lens, positions, raw_out_loc)
+    width = _c128_width(op, page_table, page_size, seq_lens) if compute_page_indices else 0
+    outputs = []
+    for _ in (4, 128):
+        outputs.append(seq_lens.new_empty((num_locs,), dtype=torch.int64))
+        outputs += [seq_lens.new_empty((bs,), dtype=torch.int32) for _ in range(3)]
+    outputs.append(seq_lens.new_empty((bs, width), dtype=torch.int32))
+    return tuple(outputs)
+
+
+_COMPRESSION_FIELDS = ("out_loc", "positions", "seq_lens_raw", "seq_lens_clamp1")
+
+
+@_register("init_compression_metadata_out")
+def _init_compression_metadata_out(seq_lens, positions, raw_out_loc, page_table, page_size, c4_out_loc, c4_positions,
+                                   c4_seq_lens_raw, c4_seq_lens_clamp1, c128_out_loc, c128_positions,
+                                   c128_seq_lens_raw, c128_seq_lens_clamp1, c128_page_indices):
+    op = "init_compression_metadata_out"
+    buffers = (c4_out_loc, c4_positions, c4_seq_lens_raw, c4_seq_lens_clamp1,
+               c128_out_loc, c128_positions, c128_seq_lens_raw, c128_seq_lens_clamp1, c128_page_indices)
+    bs, num_locs = _check_compression_args(op, seq_lens, positions, raw_out_loc)
+    page_indices = buffers[8]
+    torch._check(page_indices.dim() == 2, _msg(op, f"c128_page_indices must be 2-D, got {page_indices.dim()}-D"))
+    width = page_indices.size(1)
+    if width != 0:
+        expected = _c128_width(op, page_table, page_size, seq_lens)
+        torch._check(width == expected, _msg(op, f"c128_page_indices must have 0 or {expected} columns"))
+    for k, ratio in enumerate((4, 128)):
+        for j, field in enumerate(_COMPRESSION_FIELDS):
+            dtype, shape = (torch.int64, (num_locs,)) if j == 0 else (torch.int32, (bs,))
+            _check_out(op, f"c{ratio}_{field}", buffers[4 * k + j], seq_lens, dtype, shape)
+    _check_out(op, "c128_page_indices", page_indices, seq_lens, torch.int32, (bs, width))
+    return None
+
+
+def _check_schedule_args(op, context_lens, block_kv):
+    torch._check(
+        context_lens.dtype in _INDEX_DTYPES, _msg(op, f"context_lens must be int32 or int64, got {context_lens.dtype}")
+    )
+    torch._check(
+        context_lens.dim() == 1 or (context_lens.dim() == 2 and context_lens.size(1) == 1),
+        _msg(op, "context_lens must be [B] or [B, 1] (next_n == 1)"),
+    )
+    torch._check(context_lens.size(0) <= _MAX_ROWS, _msg(op, "context_lens has too many requests"))
+    torch._check(block_kv in (64, 128), _msg(op, f"block_kv must be 64 or 128, got {block_kv}"))
+
+
+@_register("get_paged_mqa_logits_metadata")
+def _get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms):
+    op = "get_paged_mqa_logits_metadata"
+    _check_schedule_args(op, context_lens, block_kv)
+    torch._check(1 <= num_sms <= _MAX_NUM_SMS, _msg(op, f"num_sms must be in [1, {_MAX_NUM_SMS}], got {num_sms}"))
+    return context_lens.new_empty((num_sms + 1, 2), dtype=torch.int32)
+
+
+@_register("get_paged_mqa_logits_metadata_out")
+def _get_paged_mqa_logits_metadata_out(context_lens, block_kv, out):
+    op = "get_paged_mqa_logits_metadata_out"
+    _check_schedule_args(op, context_lens, block_kv)
+    torch._check(out.dim() == 2, _msg(op, f"out must be 2-D, got {out.dim()}-D"))
+    num_sms = out.size(0) - 1
+    torch._check(1 <= num_sms <= _MAX_NUM_SMS, _msg(op, f"out.size(0) - 1 (num_sms) must be in [1, {_MAX_NUM_SMS}]"))
+    _check_out(op, "out", out, context_lens, torch.int32, (out.size(0), 2))
 # ---- norm + RoPE writers ----
 
 

@@ -52,6 +52,11 @@ __device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t tok
   return __shfl_sync(kFullMask, take, 0) != 0;
 }
 
+__device__ __forceinline__ void round_lane_to_bf16(float* v) {
+#pragma unroll
+  for (int i = 0; i < kLaneDims; ++i) v[i] = round_to_bf16(v[i]);
+}
+
 template <int N>
 __device__ __forceinline__ void load_weight(const NormRopeParams& p, int first, float* w) {
   if (p.weight_fp32) {
@@ -86,18 +91,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(Nor
 
   float y[kLaneDims];
   warp_rms_norm<kLaneDims>(x, w, p.eps, y);
-  constexpr bool kRoundNope = L != KVLayout::V4 || S != RowSource::KWriter;
-  if (kRoundNope && !(L == KVLayout::V4 && rope_lane)) {
-#pragma unroll
-    for (int i = 0; i < kLaneDims; ++i) y[i] = round_to_bf16(y[i]);
-  }
+  const bool round_first = L != KVLayout::V4 || (S != RowSource::KWriter && !rope_lane);
+  if (round_first) round_lane_to_bf16(y);
   if (rope_lane) {
 #pragma unroll
     for (int j = 0; j < kLaneDims; j += 2) rotate_pair(y[j], y[j + 1], f[j], f[j + 1]);
-    if constexpr (L != KVLayout::V4) {
-#pragma unroll
-      for (int i = 0; i < kLaneDims; ++i) y[i] = round_to_bf16(y[i]);
-    }
+    if (L != KVLayout::V4) round_lane_to_bf16(y);  // V4 stores the tail as bf16 itself
   }
   quantize_main_lane<L>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
 }
