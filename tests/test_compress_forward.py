@@ -295,7 +295,7 @@ def test_hand_built_plan_rows_skip_and_stay_in_bounds(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_plans_and_dim0_slice_state(device):
     e = Engine(4, 128, 8, paged=False, device=device)
-    empty = dsv4.plan_compress_prefill(torch.tensor([1]), torch.tensor([3]), torch.tensor([0]), num_q_tokens=0,
+    empty = dsv4.plan_compress_prefill(*(torch.tensor([v], device=device) for v in (1, 3, 0)), num_q_tokens=0,
                                        **e.plan_kwargs())
     out = dsv4.compress_forward(e.state, torch.zeros(0, e.W, device=device), e.ape.to(device), empty, head_dim=128)
     assert out.shape == (0, 128)

@@ -14,6 +14,7 @@ constexpr int kC128Slices = 8;                      // one warp per slice of the
 constexpr int kC128Chunk = 128;                     // channels per block: 32 lanes x 4
 constexpr int kC128Threads = 32 * kC128Slices;
 constexpr int kC128MaxRowsPerBlock = 8;
+constexpr int kC128Group = 8;                       // slots whose loads are in flight together
 constexpr int kC128ItemsPerRow = 2 * kC128Chunk / 4;  // float4 items of a row's (kv, s) chunk
 constexpr int kWriteWarps = 8;
 
@@ -75,27 +76,35 @@ __device__ __forceinline__ CompressEntry load_compress_entry(const uint8_t* row)
   return CompressEntry{v.x, uint16_t(v.y & 0xFFFFu), uint16_t(v.y >> 16), int32_t(v.z), int32_t(v.w)};
 }
 
-// Value and score (ape added) of window slot k for channels [c, c+4).
+// The raw loads of window slot k for channels [c, c+4): value, score and the slot's ape row. Only
+// loads, so that a caller can issue every slot's loads before the first use (one memory latency per
+// window instead of one per slot). Pad slots are synthesised: value 0, score -inf.
+struct SlotLoads {
+  float4 value, score, bias;
+};
+
 template <bool InBf16, bool StBf16>
-__device__ __forceinline__ void load_slot(const ForwardParams& p, const PoolWindow& w, int k, int64_t c,
-                                          float4& value, float4& score) {
+__device__ __forceinline__ SlotLoads issue_slot(const ForwardParams& p, const PoolWindow& w, int k, int64_t c) {
   const int64_t D = p.head_dim;
   const SlotSource s = slot_source(w, k, p.ratio, p.state_rows / p.ratio, p.input_rows);
   const int64_t vc = value_column(p.ratio, k, D) + c, sc = score_column(p.ratio, k, D) + c;
+  SlotLoads l;
   if (s.kind == SlotKind::State) {
     const int64_t base = s.row * state_row_width(p.ratio, D);
-    value = load4<StBf16>(p.state, base + vc);
-    score = load4<StBf16>(p.state, base + sc);
+    l.value = load4<StBf16>(p.state, base + vc);
+    l.score = load4<StBf16>(p.state, base + sc);
   } else if (s.kind == SlotKind::Input) {
     const int64_t base = s.row * p.input_stride;
-    value = load4<InBf16>(p.input, base + vc);
-    score = load4<InBf16>(p.input, base + sc);
+    l.value = load4<InBf16>(p.input, base + vc);
+    l.score = load4<InBf16>(p.input, base + sc);
   } else {
-    value = make_float4(0.f, 0.f, 0.f, 0.f);
-    score = neg_inf4();
-    return;
+    l.value = make_float4(0.f, 0.f, 0.f, 0.f);
+    l.score = neg_inf4();
+    l.bias = make_float4(0.f, 0.f, 0.f, 0.f);
+    return l;
   }
-  score = add4(score, load4<false>(p.ape, int64_t(k) * D + c));
+  l.bias = load4<false>(p.ape, int64_t(k) * D + c);
+  return l;
 }
 
 // Σ v·exp(s − m) / Σ exp(s − m) over N slots for one channel, m the slots' max (0 if all are pad).
@@ -119,14 +128,15 @@ __device__ __forceinline__ float softmax_pool(const float* s, const float* v) {
 template <bool InBf16, bool StBf16>
 __device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c) {
   constexpr int kWindow = 8;
-  float4 value[kWindow], score[kWindow];
+  SlotLoads l[kWindow];
 #pragma unroll
-  for (int k = 0; k < kWindow; ++k) load_slot<InBf16, StBf16>(p, w, k, c, value[k], score[k]);
+  for (int k = 0; k < kWindow; ++k) l[k] = issue_slot<InBf16, StBf16>(p, w, k, c);
   float s[4][kWindow], v[4][kWindow];
 #pragma unroll
   for (int k = 0; k < kWindow; ++k) {
-    s[0][k] = score[k].x; s[1][k] = score[k].y; s[2][k] = score[k].z; s[3][k] = score[k].w;
-    v[0][k] = value[k].x; v[1][k] = value[k].y; v[2][k] = value[k].z; v[3][k] = value[k].w;
+    const float4 score = add4(l[k].score, l[k].bias);
+    s[0][k] = score.x; s[1][k] = score.y; s[2][k] = score.z; s[3][k] = score.w;
+    v[0][k] = l[k].value.x; v[1][k] = l[k].value.y; v[2][k] = l[k].value.z; v[3][k] = l[k].value.w;
   }
   return make_float4(softmax_pool<kWindow>(s[0], v[0]), softmax_pool<kWindow>(s[1], v[1]),
                      softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
@@ -167,19 +177,19 @@ __device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t
   OnlineSoftmax st[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) st[j] = OnlineSoftmax{__int_as_float(0xFF800000), 0.f, 0.f};
-  // Groups of 4 slots: the 8 loads of a group are issued before the first use.
-  constexpr int kGroup = 4;
+  // Groups of kGroup slots: every load of a group is issued before the first use.
 #pragma unroll 1
-  for (int i0 = 0; i0 < kSlots; i0 += kGroup) {
-    float4 value[kGroup], score[kGroup];
+  for (int i0 = 0; i0 < kSlots; i0 += kC128Group) {
+    SlotLoads l[kC128Group];
 #pragma unroll
-    for (int i = 0; i < kGroup; ++i) load_slot<InBf16, StBf16>(p, w, slice * kSlots + i0 + i, c, value[i], score[i]);
+    for (int i = 0; i < kC128Group; ++i) l[i] = issue_slot<InBf16, StBf16>(p, w, slice * kSlots + i0 + i, c);
 #pragma unroll
-    for (int i = 0; i < kGroup; ++i) {
-      st[0].add(score[i].x, value[i].x);
-      st[1].add(score[i].y, value[i].y);
-      st[2].add(score[i].z, value[i].z);
-      st[3].add(score[i].w, value[i].w);
+    for (int i = 0; i < kC128Group; ++i) {
+      const float4 score = add4(l[i].score, l[i].bias);
+      st[0].add(score.x, l[i].value.x);
+      st[1].add(score.y, l[i].value.y);
+      st[2].add(score.z, l[i].value.z);
+      st[3].add(score.w, l[i].value.w);
     }
   }
 #pragma unroll

@@ -9,7 +9,7 @@ namespace dsv4 {
 namespace {
 
 constexpr int kScanThreads = 1024;   // one request per thread per tile
-constexpr int kFusedRowsPerThread = 4;
+constexpr int kFusedRowsPerThread = 1;  // rows are latency chains: spread them over blocks
 constexpr int kRowThreads = 256;
 
 __device__ __forceinline__ void store_entry(DecodeEntry* dst, const DecodeEntry& e) {
