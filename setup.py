@@ -27,6 +27,8 @@ CPP_SOURCES = [
     "csrc/metadata/metadata_cpu.cpp",
     "csrc/cache/writers_ops.cpp",
     "csrc/cache/writers_cpu.cpp",
+    "csrc/compress/low_ratio_ops.cpp",
+    "csrc/compress/low_ratio_cpu.cpp",
     # c4 / c128 planners and compressor
     "csrc/compress/plan_ops.cpp",
     "csrc/compress/plan_cpu.cpp",
@@ -44,6 +46,7 @@ CUDA_SOURCES = [
     "csrc/metadata/compression_kernels.cu",
     "csrc/metadata/schedule_kernels.cu",
     "csrc/cache/writers_kernels.cu",
+    "csrc/compress/low_ratio_kernels.cu",
     # c4 / c128 planners and compressor
     "csrc/compress/plan_kernels.cu",
     "csrc/compress/forward_kernels.cu",

@@ -10,7 +10,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout, IndexerFormat
 
 from . import torch_impls_cache as ref_torch
-from .harness import Bench, as_words, compiled, gather_copy_us, row, scatter_copy_us
+from .harness import torch_baseline_us, Bench, as_words, compiled, gather_copy_us, row, scatter_copy_us
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 LARGE_SIZES = (65536, 1 << 20)
@@ -66,14 +66,6 @@ def _torch_dequant(layout):
     return lambda cache, slots: fn(cache, slots, PAGE, int(layout))
 
 
-def _safe(fn):
-    """Runs a torch-baseline timing; a failure (e.g. a compile error) is reported, not fatal."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001
-        print(f"  torch baseline failed: {type(exc).__name__}: {str(exc)[:200]}")
-        return None
-
 
 def _decode_store(bench, results, fmt, name):
     width = 512 if isinstance(fmt, KVLayout) else 128
@@ -84,7 +76,7 @@ def _decode_store(bench, results, fmt, name):
         xs = [torch.randn(n, width, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS_PER_GRAPH)]
         slot_sets = torch.randperm(capacity, device="cuda")[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
         us = bench.time_graph([lambda x=x, s=s: ours(x, cache, s) for x, s in zip(xs, slot_sets)])
-        t_us = _safe(lambda: bench.time_graph([lambda x=x, s=s: theirs(x, cache, s) for x, s in zip(xs, slot_sets)]))
+        t_us = torch_baseline_us(lambda: bench.time_graph([lambda x=x, s=s: theirs(x, cache, s) for x, s in zip(xs, slot_sets)]))
         results.append(row(bench, family="kv_io", op="store", case=f"{name} decode", n=n, us=us,
                            nbytes=_store_bytes(fmt, n), torch_us=t_us, target="<= 3 us" if n <= 256 else ""))
 
@@ -99,7 +91,7 @@ def _large_store(bench, results, fmt, name):
             slots = (torch.arange(n, device="cuda") if pattern == "consecutive"
                      else torch.randperm(n, device="cuda")).int()
             us = bench.time_single(lambda: ours(x, cache, slots))
-            t_us = _safe(lambda: bench.time_single(lambda: theirs(x, cache, slots)))
+            t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(x, cache, slots)))
             extra = {}
             if pattern == "random":
                 # Scatter of the same data rows from a contiguous source into the same slots.
@@ -127,7 +119,7 @@ def _decode_dequant(bench, results, layout):
         outs = [torch.empty(n, 1, 512, dtype=torch.bfloat16, device="cuda") for _ in range(CALLS_PER_GRAPH)]
         us = bench.time_graph([lambda s=s, o=o: dsv4.dequantize_k_cache_paged(cache, s, PAGE, layout=layout, out=o)
                                for s, o in zip(slot_sets, outs)])
-        t_us = _safe(lambda: bench.time_graph([lambda s=s: theirs(cache, s) for s in slot_sets]))
+        t_us = torch_baseline_us(lambda: bench.time_graph([lambda s=s: theirs(cache, s) for s in slot_sets]))
         results.append(row(bench, family="kv_io", op="dequant", case=f"{layout.str_name} decode", n=n, us=us,
                            nbytes=_dequant_bytes(layout, n), torch_us=t_us, target="<= 3 us" if n <= 256 else ""))
 
@@ -141,7 +133,7 @@ def _large_dequant(bench, results, layout):
             slots = (torch.arange(n, device="cuda") if pattern == "consecutive"
                      else torch.randperm(n, device="cuda")).int()
             us = bench.time_single(lambda: dsv4.dequantize_k_cache_paged(cache, slots, PAGE, layout=layout, out=out))
-            t_us = _safe(lambda: bench.time_single(lambda: theirs(cache, slots)))
+            t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(cache, slots)))
             extra = {}
             if pattern == "random":
                 # Gather of whole stored token rows (data + scale bytes) by the same slots.

@@ -16,7 +16,7 @@ import torch
 import sgl_dsv4_kernels  # noqa: F401  registers torch.ops.dsv4
 
 from . import torch_impls_metadata as torch_impl
-from .harness import Bench, compiled, row
+from .harness import torch_baseline_us, Bench, compiled, row
 
 ops = torch.ops.dsv4
 
@@ -156,14 +156,6 @@ def _target(op, batch):
     return "<= 3 us" if batch <= 1024 else ""
 
 
-def _safe(fn):
-    """Times a torch baseline; a failure (e.g. a compile error) is reported, not fatal."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001
-        print(f"  torch baseline failed: {type(exc).__name__}: {str(exc)[:200]}")
-        return None
-
 
 def run(bench, results=None):
     """Runner entry point ``run(bench, results)``; ``run(results)`` also works (it makes its own
@@ -176,7 +168,7 @@ def run(bench, results=None):
         for batch in batches:
             ours, theirs, nbytes = build(batch, bench.device, gen)
             us = bench.time_graph([ours] * CALLS_PER_GRAPH)
-            torch_us = _safe(lambda: bench.time_graph([theirs] * CALLS_PER_GRAPH))
+            torch_us = torch_baseline_us(lambda: bench.time_graph([theirs] * CALLS_PER_GRAPH))
             results.append(row(bench, family="metadata", op=op, case=label, n=batch, us=us, nbytes=nbytes,
                                torch_us=torch_us, target=_target(op, batch)))
             del ours, theirs

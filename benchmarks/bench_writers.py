@@ -14,7 +14,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import IndexerFormat, KVLayout
 
 from . import torch_impls_writers as torch_impls
-from .harness import Bench, compiled, row
+from .harness import torch_baseline_us, Bench, compiled, row
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 LARGE_SIZES = (65536, 1 << 20)
@@ -99,14 +99,6 @@ def _theirs(op, fmt):
                                0 if indexer else int(fmt), fmt is IndexerFormat.FP4, hadamard)
 
 
-def _safe(fn):
-    """Runs a torch-baseline timing; a failure (e.g. a compile error) is reported, not fatal."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001
-        print(f"  torch baseline failed: {type(exc).__name__}: {str(exc)[:200]}")
-        return None
-
 
 def _target_large(op, fmt, pattern):
     if pattern != "consecutive":
@@ -124,7 +116,7 @@ def _decode(bench, results, op, fmt, table, with_torch):
         slot_sets = torch.randperm(capacity, device="cuda")[: n * CALLS_PER_GRAPH].view(CALLS_PER_GRAPH, n)
         calls = [_inputs(op, fmt, slots, table) for slots in slot_sets]
         us = bench.time_graph([lambda a=a: ours(a, cache) for a in calls])
-        t_us = _safe(lambda: bench.time_graph([lambda a=a: theirs(a, cache) for a in calls])) if theirs else None
+        t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(a, cache) for a in calls])) if theirs else None
         results.append(row(bench, family="writers", op=op, case=f"{_name(fmt)} decode", n=n, us=us,
                            nbytes=_bytes(op, fmt, calls[0]), torch_us=t_us, target="<= 3 us" if n <= 256 else ""))
 
@@ -138,7 +130,7 @@ def _large(bench, results, op, fmt, table, with_torch):
             slots = torch.arange(n, device="cuda") if pattern == "consecutive" else torch.randperm(n, device="cuda")
             a = _inputs(op, fmt, slots, table)
             us = bench.time_single(lambda: ours(a, cache))
-            t_us = _safe(lambda: bench.time_single(lambda: theirs(a, cache))) if theirs else None
+            t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(a, cache))) if theirs else None
             results.append(row(bench, family="writers", op=op, case=f"{_name(fmt)} {pattern}", n=n, us=us,
                                nbytes=_bytes(op, fmt, a), torch_us=t_us, target=_target_large(op, fmt, pattern)))
 

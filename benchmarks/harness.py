@@ -131,6 +131,15 @@ def row(
     return out
 
 
+def torch_baseline_us(fn: Callable[[], float]) -> Optional[float]:
+    """Times a torch baseline; a failure (e.g. a compile error) is reported, not fatal."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        print(f"  torch baseline failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+
+
 def compiled(fn: Callable) -> Callable:
     """The idiomatic torch implementation compiled once, as a user would (dynamic shapes)."""
     return torch.compile(fn, dynamic=True)

@@ -1,7 +1,7 @@
 """Benchmark runner: measures the copy roofline and the launch floor, runs every family's benchmark
 module, writes benchmarks/results/<gpu>.md (full table) and <gpu>.png (plot), and prints a summary.
 
-    python -m benchmarks.run [--only kv_io,writers,metadata] [--out DIR]
+    python -m benchmarks.run [--only kv_io,writers,metadata,low_ratio] [--out DIR]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ FAMILIES = {
     "kv_io": "benchmarks.bench_cache",
     "writers": "benchmarks.bench_writers",
     "metadata": "benchmarks.bench_metadata",
+    "low_ratio": "benchmarks.bench_low_ratio",
     "compress": "benchmarks.bench_compress",
 }
 
@@ -107,6 +108,9 @@ def main():
     empty_us = bench.empty_kernel_us()
     print(f"copy bandwidth {bench.copy_gbps:.0f} GB/s, empty kernel {empty_us:.2f} us")
     rows = []
+    os.makedirs(args.out, exist_ok=True)
+    gpu = re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_").lower()
+    table_path = os.path.join(args.out, f"{gpu}.md")
     for family in wanted:
         try:
             module = importlib.import_module(FAMILIES[family])
@@ -116,10 +120,8 @@ def main():
         start = time.time()
         module.run(bench, rows)
         print(f"{family}: done in {time.time() - start:.0f} s")
-    os.makedirs(args.out, exist_ok=True)
-    gpu = re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_").lower()
-    with open(os.path.join(args.out, f"{gpu}.md"), "w") as f:
-        f.write(markdown_table(rows, bench, empty_us))
+        with open(table_path, "w") as f:  # rewritten after every family, so a cut-off run keeps its rows
+            f.write(markdown_table(rows, bench, empty_us))
     try:
         plot(rows, os.path.join(args.out, f"{gpu}.png"))
     except ImportError as exc:

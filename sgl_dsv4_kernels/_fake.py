@@ -478,3 +478,57 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, k
         torch._check(out_loc.size(0) == kv.size(0),
                      _msg(op, "out_loc must have one entry per plan row when is_decode=True"))
     return None
+
+
+# ---- ratio-1 / ratio-2 decode compressors ----
+
+_PAIR_ROW_WIDTH = 2 * _MAIN_DIM  # c2 projection and state rows: kv then score
+
+
+def _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, freqs_cis):
+    kv_layout = check_layout(op, layout)
+    check_cache(op, "k_cache", k_cache, kv_layout, page_size, 16)
+    check_norm_weight(op, "norm_weight", norm_weight, _MAIN_DIM, k_cache)
+    check_eps(op, "eps", eps)
+    check_rope_table(op, "freqs_cis", freqs_cis, k_cache)
+
+
+def _check_per_row(op, name, t, kv_input):
+    torch._check(t.size(0) == kv_input.size(0), _msg(op, f"{name} must have one entry per kv_input row"))
+
+
+@_register("c1_decode_norm_rope_store")
+def _c1_decode_norm_rope_store(kv_input, norm_weight, positions, out_loc, eps, freqs_cis, k_cache, page_size,
+                               layout=0):
+    op = "c1_decode_norm_rope_store"
+    _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, freqs_cis)
+    torch._check(kv_input.dtype == torch.bfloat16, _msg(op, f"kv_input must be bfloat16, got {kv_input.dtype}"))
+    check_activation(op, "kv_input", kv_input, _MAIN_DIM, k_cache)
+    check_index_vector(op, "positions", positions, k_cache)
+    check_index_vector(op, "out_loc", out_loc, k_cache)
+    _check_per_row(op, "positions", positions, kv_input)
+    _check_per_row(op, "out_loc", out_loc, kv_input)
+    return kv_input.new_empty((kv_input.size(0), _MAIN_DIM), dtype=torch.bfloat16)
+
+
+@_register("c2_decode_or_verify_norm_rope_store")
+def _c2_decode_or_verify_norm_rope_store(kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc,
+                                         eps, freqs_cis, k_cache, page_size, ring_size, draft_len=0, layout=0):
+    op = "c2_decode_or_verify_norm_rope_store"
+    _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, freqs_cis)
+    torch._check(kv_input.dtype == torch.float32, _msg(op, f"kv_input must be float32, got {kv_input.dtype}"))
+    check_activation(op, "kv_input", kv_input, _PAIR_ROW_WIDTH, k_cache)
+    torch._check(kv_state.dtype == torch.float32, _msg(op, f"kv_state must be float32, got {kv_state.dtype}"))
+    check_activation(op, "kv_state", kv_state, _PAIR_ROW_WIDTH, k_cache)
+    for name, t in (("positions", positions), ("req_pool_indices", req_pool_indices), ("raw_out_loc", raw_out_loc)):
+        check_index_vector(op, name, t, k_cache)
+        _check_per_row(op, name, t, kv_input)
+    torch._check(ring_size >= 1, _msg(op, f"ring_size must be >= 1, got {ring_size}"))
+    torch._check(draft_len >= 0, _msg(op, f"draft_len must be >= 0, got {draft_len}"))
+    torch._check(kv_state.size(0) >= ring_size, _msg(op, f"kv_state must hold at least ring_size={ring_size} rows"))
+    if draft_len > 0:
+        torch._check(ring_size > draft_len, _msg(
+            op, f"ring_size must be wider than the draft length (ring_size={ring_size}, draft_len={draft_len})"))
+        torch._check(kv_input.size(0) % draft_len == 0,
+                     _msg(op, f"kv_input rows must be a multiple of draft_len={draft_len} in verify mode"))
+    return kv_input.new_empty((kv_input.size(0), _MAIN_DIM), dtype=torch.bfloat16)

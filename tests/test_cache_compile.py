@@ -247,7 +247,7 @@ def test_compile_store_peak_memory_cuda(kind):
     cache_bytes = num_pages * fmt.page_bytes(p)
     assert cache_bytes >= 64 << 20
     x = make_rows(256, 512, tile=64, seed=1, dtype=BF16).cuda()
-    slots = make_slots(250, p * num_pages, seed=2, device="cuda")
+    slots = make_slots(251, p * num_pages, seed=2, device="cuda")
     compiled = torch.compile(_store_fn(fmt, p), fullgraph=True)
     compiled(x, cache, slots)  # compile outside the measurement
     for _ in range(2):
@@ -404,6 +404,13 @@ def test_runs_on_current_non_default_stream(fmt):
     slots_final = make_slots(n - 5, capacity, seed=7, device="cuda")
     x = torch.zeros_like(x_final)
     slots = torch.full_like(slots_final, -1)
+    # Load every kernel first: a lazily loaded CUDA module may synchronize the device on its first
+    # launch, which would hide a launch on the wrong stream.
+    warm_cache, _ = make_cache(fmt, p, 1, device="cuda", seed=1)
+    op_store(fmt, x_final[:8], warm_cache, slots_final[:8] % p, p)
+    if not fmt.indexer:
+        dsv4.dequantize_k_cache_paged(warm_cache, slots_final[:8] % p, p, layout=fmt.id)
+        dsv4.fake_quant_compressed_kv(x_final[:8])
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):

@@ -51,6 +51,7 @@ from samples import (
     ref_store,
     rope_rows,
     seed_of,
+    slot_offsets,
     strided_rows,
     tensor_from_bits,
     uniform_tile,
@@ -272,6 +273,63 @@ def test_T3_store_into_pool_slice_keeps_rest_of_pool(ref, device):
     for i, fmt in enumerate(ALL_FORMATS):
         _store_case(ref, device, fmt, 2, 40, torch.int64, BF16, seed_of("pool", i), kind="pool_slice",
                     n_rows=37 + 5)
+
+
+def _footprint_mask(fmt, cache, p, slots):
+    """Bool mask over the flat cache bytes: the data row and used scale bytes of each given slot."""
+    mask = torch.zeros(flat_bytes(cache).numel(), dtype=torch.bool)
+    for s in slots:
+        d, c = slot_offsets(fmt, p, cache.stride(0), int(s))
+        mask[d: d + fmt.data_bytes] = True
+        mask[c: c + fmt.scale_used] = True
+    return mask
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=fmt_id)
+def test_store_duplicate_slots_touch_only_their_footprint(ref, device, fmt):
+    """Two rows with the same slot: that slot's bytes are unspecified, every other byte is exact."""
+    p, num_pages = 2, 40
+    seed = seed_of("dup", fmt.name)
+    x = make_rows(42, fmt.width, tile=fmt.tile, seed=seed)
+    slots = make_slots(37, p * num_pages, seed=seed + 1)
+    dup = [int(v) for v in slots if 0 <= v < p * num_pages][:3]
+    slots = torch.cat([slots, torch.tensor(dup)])
+    x = torch.cat([x, make_rows(3, fmt.width, tile=fmt.tile, seed=seed + 2)])
+    cache, buf = make_cache(fmt, p, num_pages, device=device, seed=seed + 3)
+    exp_cache, _ = clone_view(cache, buf, device="cpu")
+    op_store(fmt, x.to(device), cache, slots.to(device), p)
+    keep = torch.tensor([int(v) not in dup for v in slots])
+    ref_store(ref, fmt, x[keep], exp_cache, slots[keep], p)
+    mask = _footprint_mask(fmt, exp_cache, p, dup)
+    got, exp = flat_bytes(cache).cpu(), flat_bytes(exp_cache)
+    assert_bytes_equal(got[~mask], exp[~mask], what="bytes outside the duplicated slots")
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=fmt_id)
+def test_store_nonfinite_rows_stay_in_their_footprint(ref, device, fmt):
+    """NaN / inf rows: bytes unspecified, but only inside their own footprint, and no crash."""
+    p, num_pages = 64, 4
+    seed = seed_of("nonfinite", fmt.name)
+    x = make_rows(105, fmt.width, tile=fmt.tile, seed=seed)
+    slots = make_slots(100, p * num_pages, seed=seed + 1)
+    bad_rows = torch.arange(0, 105, 7)
+    g = generator(seed + 2)
+    for i, r in enumerate(bad_rows.tolist()):
+        cols = torch.randint(0, fmt.width, (3,), generator=g)
+        x[r, cols] = [float("nan"), float("inf"), float("-inf")][i % 3]
+    cache, buf = make_cache(fmt, p, num_pages, device=device, seed=seed + 3)
+    exp_cache, _ = clone_view(cache, buf, device="cpu")
+    for dtype in (FP32, BF16):
+        op_store(fmt, x.to(dtype).to(device), cache, slots.to(device), p)
+        if not fmt.indexer:
+            dsv4.dequantize_k_cache_paged(cache, slots.to(device), p, layout=fmt.id)
+    finite = torch.ones(105, dtype=torch.bool)
+    finite[bad_rows] = False
+    ref_store(ref, fmt, x[finite].to(BF16), exp_cache, slots[finite], p)
+    bad_slots = [int(v) for v in slots[~finite] if 0 <= v < p * num_pages]
+    mask = _footprint_mask(fmt, exp_cache, p, bad_slots)
+    got, exp = flat_bytes(cache).cpu(), flat_bytes(exp_cache)
+    assert_bytes_equal(got[~mask], exp[~mask], what="bytes outside the non-finite rows")
 
 
 # ====================================================================================================

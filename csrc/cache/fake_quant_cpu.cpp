@@ -22,11 +22,7 @@ void for_each_block(const FakeQuantParams& p, BlockFn&& quantize_block) {
 }  // namespace
 
 void fake_quant_compressed_kv_cpu(const FakeQuantParams& p) {
-  for_each_block(p, [](float* x, int n) {
-    const float scale = e4m3_decode(v41_fp4_scale_byte(tile_amax(x, n)));
-    const E2m1RneThresholds encoder(scale);
-    for (int i = 0; i < n; ++i) x[i] = e2m1_decode(encoder.encode(x[i])) * scale;
-  });
+  for_each_block(p, fake_quant_compressed_tile);
 }
 
 void fake_quant_fp4_cpu(const FakeQuantParams& p) {

@@ -27,6 +27,14 @@ DSV4_HD float sub_rn(float a, float b) {
   return a - b;
 #endif
 }
+// IEEE round-to-nearest division (never a reciprocal multiply).
+DSV4_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
 
 // Forward rotation of the pair (re, im) by (c, s) = (cos, sin): re' = re*c - im*s, im' = re*s + im*c,
 // each product and the sum/difference rounded separately.

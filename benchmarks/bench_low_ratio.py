@@ -1,0 +1,156 @@
+"""Ratio-1 and ratio-2 decode compressor benchmarks: c1_decode_norm_rope_store and
+c2_decode_or_verify_norm_rope_store (decode, and verify with 4 drafts) for every main layout, at decode sizes
+under CUDA-graph replay, with bytes counted per compressors.md §9, against compiled torch.
+
+    python -m benchmarks.bench_low_ratio [--no-torch]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import sgl_dsv4_kernels as dsv4
+from sgl_dsv4_kernels import KVLayout
+
+from . import torch_impls_low_ratio as torch_impls
+from .harness import torch_baseline_us, Bench, compiled, row
+
+DECODE_SIZES = (1, 8, 64, 256, 1024)
+VERIFY_SIZES = (8, 64, 256)  # requests; 4 draft rows each
+VERIFY_DRAFT = 4
+CALLS_PER_GRAPH = 64  # disjoint (input, state, slot) sets: bs 1024 replays > 2x L2 for both ops
+DECODE_CACHE_BYTES = 256 << 20  # destination slots rotate over a cache > 2x L2
+PAGE = 64
+MAX_POS = 65536
+EPS = 1e-6
+LATENT_BYTES = 512 * 2
+PAIR_ROW_BYTES = 1024 * 4
+INDEX_BYTES = 4  # int32 positions / out_loc / req_pool_indices
+
+
+def _written(layout) -> int:
+    return layout.bytes_per_token - (1 if layout is KVLayout.V4 else 0)  # V4 scale byte 7 is never written
+
+
+def _cache(layout):
+    pages = DECODE_CACHE_BYTES // layout.page_bytes(PAGE)
+    return torch.randint(0, 256, (pages, layout.page_bytes(PAGE)), dtype=torch.uint8, device="cuda")
+
+
+def c1_bytes(layout, n) -> int:
+    """§9: input 1 KiB + latent 1 KiB + the cache row, plus two indices, per row (every row stores)."""
+    return n * (LATENT_BYTES + LATENT_BYTES + _written(layout) + 2 * INDEX_BYTES)
+
+
+def c2_bytes(layout, positions, from_ring) -> int:
+    """§9: every row reads its input (4 KiB) and writes its latent row (1 KiB, zeros for even rows); an even row
+    writes its ring row (4 KiB); an odd row reads its partner from the ring (4 KiB) when it is a block's first
+    row (inside a verify block the partner is the previous input row, already counted) and writes its cache row."""
+    odd = int((positions & 1).sum())
+    even = positions.numel() - odd
+    per_row = PAIR_ROW_BYTES + LATENT_BYTES + 3 * INDEX_BYTES
+    return positions.numel() * per_row + even * PAIR_ROW_BYTES + from_ring * PAIR_ROW_BYTES + odd * _written(layout)
+
+
+def _c1_calls(n, capacity, weight, table):
+    slots = 1 + torch.randperm(capacity - 1, device="cuda")[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
+    return [dict(kv=torch.randn(n, 512, device="cuda").to(torch.bfloat16), weight=weight, table=table,
+                 positions=torch.randint(0, MAX_POS, (n,), device="cuda", dtype=torch.int32), out_loc=s)
+            for s in slots]
+
+
+def _c2_calls(n, draft_len, capacity, weight, table):
+    """CALLS_PER_GRAPH disjoint sets: distinct requests (own ring rows), distinct cache slots, random parity."""
+    rows = n * max(draft_len, 1)
+    ring = dsv4.state_ring_size(2, draft_len)
+    requests = n * CALLS_PER_GRAPH
+    state = torch.randn(requests * ring + ring, 1024, device="cuda")  # owner 0 is the dummy request
+    req_sets = (1 + torch.randperm(requests, device="cuda")).int().view(CALLS_PER_GRAPH, n)
+    slot_sets = 1 + torch.randperm(capacity - 1, device="cuda")[: rows * CALLS_PER_GRAPH].view(CALLS_PER_GRAPH, rows)
+    calls = []
+    for req, slots in zip(req_sets, slot_sets):
+        start = torch.randint(1, MAX_POS - draft_len - 1, (n, 1), device="cuda")
+        positions = (start + torch.arange(max(draft_len, 1), device="cuda")).view(-1)
+        calls.append(dict(kv=torch.randn(rows, 1024, device="cuda"), state=state, weight=weight, table=table,
+                          positions=positions.int(), req=req.repeat_interleave(max(draft_len, 1)),
+                          raw=(2 * slots + (positions & 1)).int(), ring=ring, draft_len=draft_len))
+    return calls
+
+
+def _c2_from_ring(a) -> int:
+    """Odd rows that read their partner from the ring: every odd row in decode, block-first odd rows in verify."""
+    odd = (a["positions"] & 1) == 1
+    if a["draft_len"]:
+        first = torch.arange(a["positions"].numel(), device="cuda") % a["draft_len"] == 0
+        odd = odd & first
+    return int(odd.sum())
+
+
+
+def _target(n) -> str:
+    return "<= 3 us" if n <= 256 else ">= 85 %"
+
+
+def _bench_c1(bench, results, layout, weight, table, with_torch):
+    cache = _cache(layout)
+    capacity = cache.shape[0] * PAGE
+    theirs = compiled(torch_impls.c1_decode) if with_torch else None
+    for n in DECODE_SIZES:
+        calls = _c1_calls(n, capacity, weight, table)
+        us = bench.time_graph([lambda a=a: dsv4.c1_decode_norm_rope_store(
+            a["kv"], a["weight"], a["positions"], a["out_loc"], EPS, a["table"], cache, page_size=PAGE,
+            layout=layout) for a in calls])
+        t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(
+            a["kv"], a["weight"], EPS, a["table"], a["positions"], a["out_loc"], cache, PAGE, int(layout))
+            for a in calls])) if theirs else None
+        results.append(row(bench, family="low_ratio", op="c1", case=f"{layout.str_name} decode", n=n, us=us,
+                           nbytes=c1_bytes(layout, n), torch_us=t_us, target=_target(n)))
+        del calls
+
+
+def _bench_c2(bench, results, layout, weight, table, with_torch, draft_len):
+    cache = _cache(layout)
+    capacity = cache.shape[0] * PAGE
+    theirs = compiled(torch_impls.c2_decode) if with_torch and draft_len == 0 else None
+    mode = f"verify d={draft_len}" if draft_len else "decode"
+    for n in (VERIFY_SIZES if draft_len else DECODE_SIZES):
+        calls = _c2_calls(n, draft_len, capacity, weight, table)
+        us = bench.time_graph([lambda a=a: dsv4.c2_decode_or_verify_norm_rope_store(
+            a["kv"], a["state"], a["weight"], a["positions"], a["req"], a["raw"], EPS, a["table"], cache,
+            page_size=PAGE, ring_size=a["ring"], draft_len=a["draft_len"], layout=layout) for a in calls])
+        t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(
+            a["kv"], a["state"], a["weight"], EPS, a["table"], a["positions"], a["req"], a["raw"], cache, PAGE,
+            a["ring"], int(layout)) for a in calls])) if theirs else None
+        nbytes = c2_bytes(layout, calls[0]["positions"].cpu(), _c2_from_ring(calls[0]))
+        results.append(row(bench, family="low_ratio", op="c2", case=f"{layout.str_name} {mode}",
+                           n=calls[0]["kv"].shape[0], us=us, nbytes=nbytes, torch_us=t_us,
+                           target=_target(calls[0]["kv"].shape[0])))
+        del calls
+
+
+def run(bench: Bench, results, with_torch=True) -> None:
+    table = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).cuda()
+    weight = torch.randn(512, device="cuda").to(torch.bfloat16)
+    for layout in KVLayout:
+        print(f"low_ratio: {layout.str_name}")
+        _bench_c1(bench, results, layout, weight, table, with_torch)
+        _bench_c2(bench, results, layout, weight, table, with_torch, draft_len=0)
+        _bench_c2(bench, results, layout, weight, table, with_torch, draft_len=VERIFY_DRAFT)
+
+
+def main():
+    from .run import summary
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-torch", action="store_true", help="skip the compiled torch baselines")
+    args = parser.parse_args()
+    bench = Bench()
+    print(f"copy bandwidth {bench.copy_gbps:.0f} GB/s")
+    results = []
+    run(bench, results, with_torch=not args.no_torch)
+    print(summary(results))
+
+
+if __name__ == "__main__":
+    main()

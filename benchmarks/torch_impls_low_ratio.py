@@ -1,0 +1,68 @@
+"""Idiomatic torch implementations of the ratio-1 and ratio-2 decode compressors: what an engine developer
+would write without this library (RMSNorm, softmax pooling, RoPE, fake quant, then a masked cache store).
+The benchmarks compile them once per layout with torch.compile(dynamic=True); they aim at speed comparisons,
+not at the exact rounding rules (reference/ does that).
+"""
+from __future__ import annotations
+
+import torch
+
+from .torch_impls_cache import _E2M1_BOUNDS, _E2M1_VALUES, _constant, store_main
+
+
+def _rms_norm(x, weight, eps):
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def _rope_tail(x, rows):
+    """GPT-J rotation of the last 64 dims with interleaved (cos, sin) table rows."""
+    n = x.shape[0]
+    tail = x[:, 448:].view(n, 32, 2)
+    c, s = rows[:, 0::2], rows[:, 1::2]
+    re, im = tail[..., 0], tail[..., 1]
+    rotated = torch.stack([re * c - im * s, re * s + im * c], dim=-1).view(n, 64)
+    return torch.cat([x[:, :448], rotated], dim=1)
+
+
+def _fake_quant_fp4(x):
+    """e2m1 with an e4m3 scale per 16 values, quantized and dequantized."""
+    n = x.shape[0]
+    tiles = x.view(n, 32, 16)
+    scale = (tiles.abs().amax(-1, keepdim=True) / 6.0).clamp(2**-9, 448.0).to(torch.float8_e4m3fn).float()
+    q = tiles / scale
+    values = _constant(_E2M1_VALUES, x.device)[torch.bucketize(q.abs(), _constant(_E2M1_BOUNDS, x.device))]
+    return (torch.where(q < 0, -values, values) * scale).view(n, 512)
+
+
+def _store_latent(latent, table, rope_positions, slots, cache, page_size, layout):
+    valid_pos = (rope_positions >= 0) & (rope_positions < table.shape[0])
+    rows = table[torch.where(valid_pos, rope_positions, 0)]
+    t = _rope_tail(latent.float(), rows).to(torch.bfloat16).float()
+    if layout != 2:
+        t = _fake_quant_fp4(t)
+    store_main(t, cache, torch.where(valid_pos, slots, -1), page_size, layout)
+
+
+def c1_decode(kv, weight, eps, table, positions, out_loc, cache, page_size, layout):
+    latent = _rms_norm(kv, weight, eps).to(torch.bfloat16)
+    slots = torch.where(out_loc > 0, out_loc, -1)
+    _store_latent(latent, table, positions, slots, cache, page_size, layout)
+    return latent
+
+
+def c2_decode(kv, state, weight, eps, table, positions, req, raw_out_loc, cache, page_size, ring, layout):
+    """Decode only: every odd row reads its partner from the ring, every live even row parks its row (padded
+    and odd rows write the dummy row 0 instead, as a masked scatter written without data-dependent shapes)."""
+    odd = (positions & 1) == 1
+    live = raw_out_loc > 0
+    partner = state[req * ring + (positions - 1).clamp_min(0) % ring]
+    weights = torch.softmax(torch.stack([partner[:, 512:], kv[:, 512:]]), dim=0)
+    pooled = weights[0] * partner[:, :512] + weights[1] * kv[:, :512]
+    latent = _rms_norm(pooled.to(torch.bfloat16), weight, eps).to(torch.bfloat16)
+    latent = torch.where(odd[:, None], latent, torch.zeros_like(latent))
+    slots = torch.where(odd & live, raw_out_loc >> 1, -1)
+    _store_latent(latent, table, positions - 1, slots, cache, page_size, layout)
+    park = ~odd & live & (positions >= 0)
+    state.index_copy_(0, torch.where(park, req * ring + positions % ring, 0).long(), kv)
+    return latent

@@ -1,0 +1,44 @@
+// Plain-C++ parameter block and entry points of the ratio-1 and ratio-2 decode compressors
+// (c1_decode_norm_rope_store, c2_decode_or_verify_norm_rope_store). No torch types: low_ratio_ops.cpp
+// validates the tensors and fills the block; low_ratio_kernels.cu and low_ratio_cpu.cpp consume it.
+#pragma once
+
+#include <cstdint>
+
+#include "../cache/cache_launch.h"
+#include "dsv4/low_ratio_rows.cuh"
+
+namespace dsv4 {
+
+// Width of a c2 projection row: kv (512) then score (512).
+constexpr int kPairRowWidth = 2 * kMainDim;
+
+struct LowRatioParams {
+  RowInput kv;              // c1: bf16 [n, 512]; c2: fp32 [n, 1024] (kv | score)
+  const void* weight;       // [512] norm weight
+  bool weight_fp32;         // else bf16
+  float eps;
+  const float* freqs;       // RoPE table [max_pos, 64]
+  int64_t max_pos;
+  IndexInput positions;     // [n]
+  IndexInput out_loc;       // [n]: c1 out_loc, c2 raw_out_loc (the raw full-KV slot)
+  IndexInput req_pool_indices;  // [n], c2 only
+  float* state;             // c2 pair-state ring rows [rows, 1024], c2 only
+  int64_t state_row_stride; // elements
+  PairRing ring;            // c2 only
+  PagedCache cache;
+  uint16_t* latent;         // output bf16 bits [n, 512], contiguous
+  int64_t n;
+};
+
+// CPU implementations (low_ratio_cpu.cpp).
+void c1_decode_cpu(KVLayout layout, const LowRatioParams& p);
+void c2_decode_or_verify_cpu(KVLayout layout, const LowRatioParams& p);
+
+#ifdef USE_CUDA
+// CUDA launchers (low_ratio_kernels.cu): one launch each.
+void c1_decode_cuda(KVLayout layout, const LowRatioParams& p, cudaStream_t stream);
+void c2_decode_or_verify_cuda(KVLayout layout, const LowRatioParams& p, cudaStream_t stream);
+#endif
+
+}  // namespace dsv4

@@ -1,0 +1,126 @@
+// Torch-facing glue of the ratio-1 and ratio-2 decode compressors (c1_decode_norm_rope_store,
+// c2_decode_or_verify_norm_rope_store): argument validation (the host half of the fakes in _fake.py),
+// allocation of the fresh latent and dispatch to the CPU implementation or the CUDA launcher.
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include "low_ratio_launch.h"
+#include "../cache/tensor_args.h"
+#include "../common/cuda_context.h"
+#include "../common/op_checks.h"
+
+namespace dsv4 {
+
+namespace {
+
+// Checks shared by both ops; fills the cache, weight, eps and table fields.
+void check_common(const char* op, LowRatioParams& p, const Tensor& k_cache, int64_t page_size, int64_t layout,
+                  const Tensor& norm_weight, double eps, const Tensor& freqs_cis) {
+  const FormatTraits traits = checked_layout_traits(op, layout);
+  p.cache = check_cache(op, "k_cache", k_cache, traits, page_size, kMainCacheAlign);
+  check_norm_weight(op, "norm_weight", norm_weight, kMainDim, k_cache);
+  p.eps = checked_eps(op, "eps", eps);
+  check_rope_table(op, "freqs_cis", freqs_cis, k_cache);
+  p.weight = norm_weight.data_ptr();
+  p.weight_fp32 = is_fp32(norm_weight);
+  p.freqs = static_cast<const float*>(freqs_cis.data_ptr());
+  p.max_pos = freqs_cis.size(0);
+}
+
+void check_rows_input(const char* op, const char* name, const Tensor& t, int64_t n) {
+  DSV4_CHECK(t.size(0) == n, op, name, " must have ", n, " entries (one per kv_input row), got ", t.size(0));
+}
+
+}  // namespace
+
+Tensor c1_decode_norm_rope_store(Tensor kv_input, Tensor norm_weight, Tensor positions, Tensor out_loc,
+                                 double eps, Tensor freqs_cis, Tensor k_cache, int64_t page_size,
+                                 int64_t layout) {
+  constexpr const char* op = "c1_decode_norm_rope_store";
+  LowRatioParams p{};
+  check_common(op, p, k_cache, page_size, layout, norm_weight, eps, freqs_cis);
+  check_dtype(op, "kv_input", kv_input, ScalarType::BFloat16);
+  check_activation(op, "kv_input", kv_input, kMainDim, k_cache);
+  check_index_vector(op, "positions", positions, k_cache);
+  check_index_vector(op, "out_loc", out_loc, k_cache);
+  const int64_t n = kv_input.size(0);
+  check_rows_input(op, "positions", positions, n);
+  check_rows_input(op, "out_loc", out_loc, n);
+
+  Tensor latent = torch::stable::new_empty(kv_input, {n, kMainDim}, ScalarType::BFloat16);
+  if (n == 0) return latent;
+  p.kv = row_input(kv_input);
+  p.positions = index_input(positions);
+  p.out_loc = index_input(out_loc);
+  p.latent = static_cast<uint16_t*>(latent.data_ptr());
+  p.n = n;
+  const auto kv_layout = static_cast<KVLayout>(layout);
+  if (k_cache.is_cuda()) {
+#ifdef USE_CUDA
+    CudaContext ctx(k_cache);
+    c1_decode_cuda(kv_layout, p, ctx.stream());
+#else
+    fail_no_cuda(op);
+#endif
+  } else {
+    c1_decode_cpu(kv_layout, p);
+  }
+  return latent;
+}
+
+Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Tensor norm_weight, Tensor positions,
+                                           Tensor req_pool_indices, Tensor raw_out_loc, double eps,
+                                           Tensor freqs_cis, Tensor k_cache, int64_t page_size, int64_t ring_size,
+                                           int64_t draft_len, int64_t layout) {
+  constexpr const char* op = "c2_decode_or_verify_norm_rope_store";
+  LowRatioParams p{};
+  check_common(op, p, k_cache, page_size, layout, norm_weight, eps, freqs_cis);
+  check_dtype(op, "kv_input", kv_input, ScalarType::Float);
+  check_activation(op, "kv_input", kv_input, kPairRowWidth, k_cache);
+  check_dtype(op, "kv_state", kv_state, ScalarType::Float);
+  check_activation(op, "kv_state", kv_state, kPairRowWidth, k_cache);
+  check_index_vector(op, "positions", positions, k_cache);
+  check_index_vector(op, "req_pool_indices", req_pool_indices, k_cache);
+  check_index_vector(op, "raw_out_loc", raw_out_loc, k_cache);
+  const int64_t n = kv_input.size(0);
+  check_rows_input(op, "positions", positions, n);
+  check_rows_input(op, "req_pool_indices", req_pool_indices, n);
+  check_rows_input(op, "raw_out_loc", raw_out_loc, n);
+  DSV4_CHECK(ring_size >= 1, op, "ring_size must be >= 1, got ", ring_size);
+  DSV4_CHECK(draft_len >= 0, op, "draft_len must be >= 0, got ", draft_len);
+  const int64_t state_rows = kv_state.size(0);
+  DSV4_CHECK(state_rows >= ring_size, op, "kv_state must hold at least ring_size=", ring_size,
+             " rows, got ", state_rows);
+  if (draft_len > 0) {
+    DSV4_CHECK(ring_size > draft_len, op, "ring_size must be wider than the draft length (ring_size=",
+               ring_size, ", draft_len=", draft_len, ")");
+    DSV4_CHECK(n % draft_len == 0, op, "kv_input rows (", n, ") must be a multiple of draft_len=", draft_len,
+               " in verify mode (request-major blocks)");
+  }
+
+  Tensor latent = torch::stable::new_empty(kv_input, {n, kMainDim}, ScalarType::BFloat16);
+  if (n == 0) return latent;
+  p.kv = row_input(kv_input);
+  p.positions = index_input(positions);
+  p.out_loc = index_input(raw_out_loc);
+  p.req_pool_indices = index_input(req_pool_indices);
+  p.state = static_cast<float*>(kv_state.data_ptr());
+  p.state_row_stride = state_rows > 1 ? kv_state.stride(0) : kPairRowWidth;
+  p.ring = PairRing{ring_size, state_rows / ring_size, draft_len};
+  p.latent = static_cast<uint16_t*>(latent.data_ptr());
+  p.n = n;
+  const auto kv_layout = static_cast<KVLayout>(layout);
+  if (k_cache.is_cuda()) {
+#ifdef USE_CUDA
+    CudaContext ctx(k_cache);
+    c2_decode_or_verify_cuda(kv_layout, p, ctx.stream());
+#else
+    fail_no_cuda(op);
+#endif
+  } else {
+    c2_decode_or_verify_cpu(kv_layout, p);
+  }
+  return latent;
+}
+
+}  // namespace dsv4

@@ -1,0 +1,71 @@
+// What one row of the ratio-1 / ratio-2 decode compressors touches (compressors.md §5.1-5.3): the
+// cache slot it stores, and for c2 the pair-state ring row it writes and where its partner comes
+// from. The padding and skip rules live here once, for the CPU and CUDA kernels; plain integers only.
+#pragma once
+
+#include <cstdint>
+
+#include "dsv4/kv_layout.cuh"
+#include "dsv4/writer_rows.cuh"
+
+namespace dsv4 {
+
+// c1 row: the slot it stores, or -1. out_loc <= 0 marks a padded CUDA-graph row (slot 0 is the
+// reserved dummy); slots past the cache and positions outside the RoPE table are skipped too.
+DSV4_HD int64_t c1_store_slot(int64_t out_loc, int64_t position, int64_t capacity, int64_t max_pos) {
+  const bool store = out_loc > 0 && out_loc < capacity && position_in_table(position, max_pos);
+  return store ? out_loc : -1;
+}
+
+// The pair-state ring of c2: `ring` rows per request slot, `owners` = state rows / ring request
+// slots (a request is in range iff (req + 1) * ring <= rows, i.e. req < owners).
+struct PairRing {
+  int64_t ring;
+  int64_t owners;
+  int64_t draft_len;  // 0: decode; >= 1: verify blocks of draft_len rows
+
+  DSV4_HD int64_t row_of(int64_t req, int64_t position) const {
+    return req >= 0 && req < owners ? req * ring + position % ring : -1;
+  }
+};
+
+// One c2 row. A row with p < 0 is padding whatever its raw slot: it reads and writes nothing and
+// returns a zero latent (active == false). An even row returns a zero latent and, when live
+// (raw_out_loc > 0), parks its (kv, score) in the ring. An odd row pools with its partner and
+// returns the latent; when live, it also stores the cache at raw_out_loc >> 1.
+struct PairRowPlan {
+  bool active;            // p >= 0
+  bool emits;             // odd p >= 0: pools and returns a latent
+  int64_t ring_write;     // ring row the (even, live) row stores into, or -1
+  int64_t partner_input;  // input row holding the partner (verify, block offset > 0), or -1
+  int64_t partner_ring;   // ring row holding the partner, or -1 (input partner, or the pad value)
+  int64_t slot;           // cache slot of the pooled entry, or -1
+  int64_t rope_position;  // p - 1
+};
+
+DSV4_HD PairRowPlan plan_pair_row(int64_t row, int64_t position, int64_t req, int64_t raw_out_loc,
+                                  const PairRing& ring, int64_t capacity, int64_t max_pos) {
+  PairRowPlan plan{false, false, -1, -1, -1, -1, -1};
+  if (position < 0) return plan;
+  plan.active = true;
+  const bool live = raw_out_loc > 0;
+  if ((position & 1) == 0) {
+    if (live) plan.ring_write = ring.row_of(req, position);
+    return plan;
+  }
+  plan.emits = true;
+  // In verify mode only a block's first row reads the ring: nothing orders a later row after its
+  // in-block partner's ring write, so it takes the partner from the input row before it.
+  const bool partner_in_block = ring.draft_len > 0 && row % ring.draft_len != 0;
+  if (partner_in_block) {
+    plan.partner_input = row - 1;
+  } else {
+    plan.partner_ring = ring.row_of(req, position - 1);
+  }
+  plan.rope_position = position - 1;
+  const int64_t slot = raw_out_loc >> 1;
+  if (live && slot < capacity && position_in_table(plan.rope_position, max_pos)) plan.slot = slot;
+  return plan;
+}
+
+}  // namespace dsv4
