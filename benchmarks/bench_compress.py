@@ -15,7 +15,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import reference as ref
 
 from . import torch_impls_compress as torch_impls
-from .harness import Bench, compiled, row
+from .harness import Bench, compiled, row, torch_baseline_us
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 PREFILL_TOKENS = (4096, 32768, 131072)
@@ -29,14 +29,6 @@ FLOAT = 4
 
 def _name(ratio, head_dim):
     return f"c{ratio}" + ("" if head_dim == 512 else f" D{head_dim}")
-
-
-def _safe(fn):
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001
-        print(f"  torch baseline failed: {type(exc).__name__}: {str(exc)[:200]}")
-        return None
 
 
 def _cycle(calls):
@@ -80,7 +72,7 @@ def _decode(bench, results, ratio, head_dim, ring, use_torch):
         nbytes = sum(_decode_bytes(ratio, head_dim, bs, s[3]) for s in sets) // n_sets
         t_us = None
         if theirs is not None:
-            t_us = _safe(lambda: bench.time_graph(_cycle([lambda s=s: theirs(s[0], s[1], ape, s[2].plan, head_dim,
+            t_us = torch_baseline_us(lambda: bench.time_graph(_cycle([lambda s=s: theirs(s[0], s[1], ape, s[2].plan, head_dim,
                                                                              ratio) for s in sets])))
         target = f"<= {empty_us + 1:.1f} us (empty + 1)" if bs <= 64 else (">= 85 %" if bs >= 512 else "")
         results.append(row(bench, family="compress", op="compress_forward", case=f"{name} decode", n=bs, us=us,
@@ -143,7 +135,7 @@ def _prefill(bench, results, ratio, head_dim, ring, use_torch):
             def torch_version():
                 for xs, plan in chunks:
                     theirs(state, xs, ape, plan.plan, plan.plan_w, head_dim, ratio)
-            t_us = _safe(lambda: bench.time_single(torch_version))
+            t_us = torch_baseline_us(lambda: bench.time_single(torch_version))
         results.append(row(bench, family="compress", op="compress_forward", case=f"{name} prefill", n=tokens, us=us,
                            nbytes=_prefill_bytes(ratio, head_dim, plans), torch_us=t_us, target=">= 85 %"))
         del x, state, chunks
