@@ -29,6 +29,11 @@ CPP_SOURCES = [
     "csrc/cache/writers_cpu.cpp",
     "csrc/compress/low_ratio_ops.cpp",
     "csrc/compress/low_ratio_cpu.cpp",
+    # c4 / c128 planners and compressor
+    "csrc/compress/plan_ops.cpp",
+    "csrc/compress/plan_cpu.cpp",
+    "csrc/compress/forward_ops.cpp",
+    "csrc/compress/forward_cpu.cpp",
 ]
 
 # Kernels and their plain-C++ launchers (nvcc; no torch headers).
@@ -42,6 +47,9 @@ CUDA_SOURCES = [
     "csrc/metadata/schedule_kernels.cu",
     "csrc/cache/writers_kernels.cu",
     "csrc/compress/low_ratio_kernels.cu",
+    # c4 / c128 planners and compressor
+    "csrc/compress/plan_kernels.cu",
+    "csrc/compress/forward_kernels.cu",
 ]
 
 # libtorch stable ABI 2.10. torch.utils.cpp_extension adds the Python limited API define itself

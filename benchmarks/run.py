@@ -21,6 +21,7 @@ FAMILIES = {
     "writers": "benchmarks.bench_writers",
     "metadata": "benchmarks.bench_metadata",
     "low_ratio": "benchmarks.bench_low_ratio",
+    "compress": "benchmarks.bench_compress",
 }
 
 

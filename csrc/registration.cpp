@@ -64,6 +64,24 @@ Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Ten
                                            Tensor req_pool_indices, Tensor raw_out_loc, double eps,
                                            Tensor freqs_cis, Tensor k_cache, int64_t page_size, int64_t ring_size,
                                            int64_t draft_len, int64_t layout);
+// c4 / c128 planners and compressor (csrc/compress/plan_ops.cpp, forward_ops.cpp)
+Tensor plan_compress_decode(Tensor req_pool_indices, Tensor seq_lens, std::optional<Tensor> req_to_token,
+                            std::optional<Tensor> full_to_swa, int64_t compress_ratio, int64_t swa_page_size,
+                            int64_t ring_size, bool use_req_ring);
+void plan_compress_decode_out(Tensor req_pool_indices, Tensor seq_lens, std::optional<Tensor> req_to_token,
+                              std::optional<Tensor> full_to_swa, int64_t compress_ratio, int64_t swa_page_size,
+                              int64_t ring_size, bool use_req_ring, Tensor plan_d);
+std::tuple<Tensor, Tensor> plan_compress_prefill(Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens,
+                                                 std::optional<Tensor> req_to_token,
+                                                 std::optional<Tensor> full_to_swa, int64_t num_q_tokens,
+                                                 int64_t compress_ratio, int64_t swa_page_size, int64_t ring_size,
+                                                 bool use_req_ring, bool use_cuda_graph);
+void plan_compress_prefill_out(Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens,
+                               std::optional<Tensor> req_to_token, std::optional<Tensor> full_to_swa,
+                               int64_t num_q_tokens, int64_t compress_ratio, int64_t swa_page_size,
+                               int64_t ring_size, bool use_req_ring, Tensor plan_c, Tensor plan_w);
+Tensor compress_forward(Tensor state, Tensor kv_score_input, Tensor ape, Tensor plan, std::optional<Tensor> plan_w,
+                        int64_t head_dim, int64_t compress_ratio, bool is_decode);
 }  // namespace dsv4
 
 STABLE_TORCH_LIBRARY(dsv4, m) {
@@ -115,6 +133,21 @@ STABLE_TORCH_LIBRARY(dsv4, m) {
   m.def("c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor(a!) kv_state, Tensor norm_weight, "
         "Tensor positions, Tensor req_pool_indices, Tensor raw_out_loc, float eps, Tensor freqs_cis, "
         "Tensor(b!) k_cache, int page_size, int ring_size, int draft_len=0, int layout=0) -> Tensor");
+  // ---- c4 / c128 planners and compressor ----
+  m.def("plan_compress_decode(Tensor req_pool_indices, Tensor seq_lens, Tensor? req_to_token, "
+        "Tensor? full_to_swa, int compress_ratio, int swa_page_size, int ring_size, bool use_req_ring=False) "
+        "-> Tensor");
+  m.def("plan_compress_decode_out(Tensor req_pool_indices, Tensor seq_lens, Tensor? req_to_token, "
+        "Tensor? full_to_swa, int compress_ratio, int swa_page_size, int ring_size, bool use_req_ring, "
+        "Tensor(a!) plan_d) -> ()");
+  m.def("plan_compress_prefill(Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens, "
+        "Tensor? req_to_token, Tensor? full_to_swa, int num_q_tokens, int compress_ratio, int swa_page_size, "
+        "int ring_size, bool use_req_ring=False, bool use_cuda_graph=False) -> (Tensor, Tensor)");
+  m.def("plan_compress_prefill_out(Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens, "
+        "Tensor? req_to_token, Tensor? full_to_swa, int num_q_tokens, int compress_ratio, int swa_page_size, "
+        "int ring_size, bool use_req_ring, Tensor(a!) plan_c, Tensor(b!) plan_w) -> ()");
+  m.def("compress_forward(Tensor(a!) state, Tensor kv_score_input, Tensor ape, Tensor plan, Tensor? plan_w, "
+        "int head_dim, int compress_ratio, bool is_decode) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
@@ -142,7 +175,12 @@ STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
   m.impl("fused_k_norm_rope_flashmla", TORCH_BOX(&dsv4::fused_k_norm_rope_flashmla));                     \
   m.impl("compress_norm_rope_store", TORCH_BOX(&dsv4::compress_norm_rope_store));                         \
   m.impl("c1_decode_norm_rope_store", TORCH_BOX(&dsv4::c1_decode_norm_rope_store));                       \
-  m.impl("c2_decode_or_verify_norm_rope_store", TORCH_BOX(&dsv4::c2_decode_or_verify_norm_rope_store));
+  m.impl("c2_decode_or_verify_norm_rope_store", TORCH_BOX(&dsv4::c2_decode_or_verify_norm_rope_store));   \
+  m.impl("plan_compress_decode", TORCH_BOX(&dsv4::plan_compress_decode));                                 \
+  m.impl("plan_compress_decode_out", TORCH_BOX(&dsv4::plan_compress_decode_out));                         \
+  m.impl("plan_compress_prefill", TORCH_BOX(&dsv4::plan_compress_prefill));                               \
+  m.impl("plan_compress_prefill_out", TORCH_BOX(&dsv4::plan_compress_prefill_out));                       \
+  m.impl("compress_forward", TORCH_BOX(&dsv4::compress_forward));
 
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CPU, m) { DSV4_REGISTER_TENSOR_OPS(m) }
 STABLE_TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { DSV4_REGISTER_TENSOR_OPS(m) }

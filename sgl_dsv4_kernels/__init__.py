@@ -6,13 +6,25 @@ import torch  # noqa: F401  (the extension needs libtorch loaded first)
 
 from . import _C  # noqa: F401  registers torch.ops.dsv4.*
 from . import _fake  # noqa: F401  registers the fake (meta) implementations
+from . import _fake_compress  # noqa: F401  fakes of the c4/c128 planners and compressor
 from .cache import (
     dequantize_k_cache_paged,
     fake_quant_compressed_kv,
     fake_quant_fp4,
     fused_store_cache,
 )
-from .compress import c1_decode_norm_rope_store, c2_decode_or_verify_norm_rope_store, state_ring_size
+from .compress import (
+    CompressPlan,
+    alloc_compress_state,
+    ape_for_kernel,
+    c1_decode_norm_rope_store,
+    c2_decode_or_verify_norm_rope_store,
+    check_ring_serves_draft_tokens,
+    compress_forward,
+    plan_compress_decode,
+    plan_compress_prefill,
+    state_ring_size,
+)
 from .kv_layout import IndexerFormat, KVLayout, is_valid_kv_layout_pair
 from .metadata import (
     CompressionMetadata,
@@ -59,4 +71,11 @@ __all__ = [
     "state_ring_size",
     "c1_decode_norm_rope_store",
     "c2_decode_or_verify_norm_rope_store",
+    "CompressPlan",
+    "plan_compress_decode",
+    "plan_compress_prefill",
+    "compress_forward",
+    "check_ring_serves_draft_tokens",
+    "alloc_compress_state",
+    "ape_for_kernel",
 ]

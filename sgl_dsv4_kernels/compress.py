@@ -3,7 +3,8 @@ and, per ratio family, the ops that pool raw KV projections into compressed cach
 """
 from __future__ import annotations
 
-from typing import Union
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -16,6 +17,17 @@ __all__ = [
     "state_ring_size",
     "c1_decode_norm_rope_store",
     "c2_decode_or_verify_norm_rope_store",
+    "CompressPlan",
+    "plan_compress_decode",
+    "plan_compress_prefill",
+    "compress_forward",
+    "compress_window",
+    "ring_capacity",
+    "check_ring_serves_draft_tokens",
+    "state_row_width",
+    "alloc_compress_state",
+    "reset_compress_state",
+    "ape_for_kernel",
 ]
 
 # ------------------------------------------------------------------------------------------------
@@ -110,3 +122,203 @@ def c2_decode_or_verify_norm_rope_store(
         as_rope_table(freqs_cis), k_cache, page_size, int(ring_size), int(draft_len),
         int(KVLayout.parse(layout)),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# c4 / c128
+
+
+@dataclass(frozen=True)
+class CompressPlan:
+    """One call's compression plan (compressors.md §3.1, §7).
+
+    ``plan`` holds the DecodePlan ``[B, 16]`` (``is_decode``) or CompressPlan ``[Nc, 16]`` bytes and
+    ``plan_w`` the WritePlan ``[Nw, 8]`` bytes (None for decode). ``compress_forward`` and
+    ``compress_norm_rope_store`` accept the object in place of the raw tensors.
+    """
+
+    plan: torch.Tensor
+    plan_w: Optional[torch.Tensor]
+    compress_ratio: int
+    is_decode: bool
+
+
+def compress_window(ratio: int) -> int:
+    """Tokens pooled per entry: 8 for c4 (overlapping), 128 for c128, 2 for c2, 1 for c1."""
+    if ratio == 1:
+        return 1
+    if ratio not in _WINDOW:
+        raise ValueError(f"compress ratio must be 1, 2, 4 or 128, got {ratio}")
+    return _WINDOW[ratio]
+
+
+def ring_capacity(ratio: int, ring: int) -> int:
+    """Draft tokens a c4/c128 ring serves (§2.1): ``ring - window + 2`` (mtp_pad) if ``ring > window``, else 1."""
+    window = compress_window(ratio)
+    return ring - window + 2 if ring > window else 1
+
+
+def check_ring_serves_draft_tokens(ratio: int, ring: int, draft_tokens: int) -> None:
+    """Startup guard of every c4/c128 layer: raises ValueError when a ring cannot serve ``draft_tokens``
+    verify tokens per step (a wider verify would leave ring rows stale, §3.5)."""
+    if ratio not in (4, 128):
+        raise ValueError(f"check_ring_serves_draft_tokens: ratio must be 4 or 128, got {ratio}")
+    capacity = ring_capacity(ratio, ring)
+    if draft_tokens > capacity:
+        raise ValueError(
+            f"ratio-{ratio} state ring of {ring} rows serves at most {capacity} draft tokens; grow the ring"
+        )
+
+
+def state_row_width(ratio: int, head_dim: int) -> int:
+    """Width W of a projection / state row: 4D for c4 (kv_ov, kv, s_ov, s), 2D for c128 (kv, s)."""
+    if ratio == 4:
+        return 4 * head_dim
+    if ratio == 128:
+        return 2 * head_dim
+    raise ValueError(f"state_row_width: ratio must be 4 or 128, got {ratio}")
+
+
+def _score_columns(ratio: int, head_dim: int) -> slice:
+    return slice(2 * head_dim, 4 * head_dim) if ratio == 4 else slice(head_dim, 2 * head_dim)
+
+
+def reset_compress_state(state: torch.Tensor, ratio: int, head_dim: int) -> torch.Tensor:
+    """Clears a pool in place (zeros) and restores its pad page (kv 0, score -inf) (§2.3)."""
+    rows = state.view(-1, state.shape[-1])
+    rows.zero_()
+    rows[-ratio:, _score_columns(ratio, head_dim)] = float("-inf")
+    return state
+
+
+def alloc_compress_state(
+    ratio: int,
+    head_dim: int,
+    owners: int,
+    ring: int,
+    dtype: torch.dtype = torch.float32,
+    device: Union[torch.device, str] = "cpu",
+) -> torch.Tensor:
+    """A c4/c128 state pool ``[owners * ring + ratio, W]`` (§2.3): zeros, with the trailing page of
+    ``ratio`` rows holding the pad value (kv 0, score -inf). Owner 0 is the dummy owner of padded rows."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"alloc_compress_state: dtype must be float32 or bfloat16, got {dtype}")
+    if ring % ratio != 0 or ring < compress_window(ratio):
+        raise ValueError(f"alloc_compress_state: ring must be a multiple of {ratio} and >= {compress_window(ratio)}")
+    state = torch.empty(owners * ring + ratio, state_row_width(ratio, head_dim), dtype=dtype, device=device)
+    return reset_compress_state(state, ratio, head_dim)
+
+
+def ape_for_kernel(ape: torch.Tensor, compress_ratio: Optional[int] = None) -> torch.Tensor:
+    """The positional bias as the kernels take it, fp32 contiguous (§1.4).
+
+    c4 checkpoints hold ``ape [4, 2D]``: rows 0-3 of the result are its first D columns (overlap
+    bias), rows 4-7 its last D columns. A c128 ``ape [128, D]`` is only converted. Call once at load.
+    """
+    ratio = compress_ratio if compress_ratio is not None else (4 if ape.shape[0] == 4 else 128)
+    if ratio == 4:
+        if ape.dim() != 2 or ape.shape[0] != 4 or ape.shape[1] % 2 != 0:
+            raise ValueError(f"ape_for_kernel: a c4 ape must be [4, 2D], got {list(ape.shape)}")
+        d = ape.shape[1] // 2
+        return torch.cat([ape[:, :d], ape[:, d:]], dim=0).float().contiguous()
+    if ape.dim() != 2 or ape.shape[0] != 128:
+        raise ValueError(f"ape_for_kernel: a c128 ape must be [128, D], got {list(ape.shape)}")
+    return ape.float().contiguous()
+
+
+def plan_compress_decode(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_to_token: Optional[torch.Tensor] = None,
+    full_to_swa: Optional[torch.Tensor] = None,
+    *,
+    compress_ratio: int,
+    ring_size: int,
+    swa_page_size: int = 0,
+    use_req_ring: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> CompressPlan:
+    """Decode plan: one ``[16]`` row per request (§3.4), on the inputs' device.
+
+    c4 in paged mode (default) needs ``req_to_token``, ``full_to_swa`` and ``swa_page_size``; c128
+    and c4 with ``use_req_ring=True`` address request rings ``rid * ring + p % ring``. With ``out``
+    (uint8 ``[B, 16]``) the plan is written there (``plan_compress_decode_out``).
+    """
+    args = (req_pool_indices, seq_lens, req_to_token, full_to_swa, int(compress_ratio), int(swa_page_size),
+            int(ring_size), bool(use_req_ring))
+    if out is None:
+        plan = torch.ops.dsv4.plan_compress_decode(*args)
+    else:
+        torch.ops.dsv4.plan_compress_decode_out(*args, out)
+        plan = out
+    return CompressPlan(plan, None, int(compress_ratio), True)
+
+
+def plan_compress_prefill(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    req_to_token: Optional[torch.Tensor] = None,
+    full_to_swa: Optional[torch.Tensor] = None,
+    *,
+    num_q_tokens: int,
+    compress_ratio: int,
+    ring_size: int,
+    swa_page_size: int = 0,
+    use_req_ring: bool = False,
+    use_cuda_graph: bool = False,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> CompressPlan:
+    """Prefill / extend / verify plans (§3.3): CompressPlan ``[Nc, 16]`` and WritePlan ``[Nw, 8]``.
+
+    The path follows the devices (§3.6): everything on CPU runs the host planner; ``seq_lens`` and
+    ``extend_lens`` on CPU with the rest on CUDA plans on the host and finishes on the GPU (not
+    capturable); everything on CUDA runs the capturable GPU planner with ``[num_q_tokens, ...]``
+    outputs. ``use_cuda_graph`` pads host-path outputs to num_q_tokens rows with sentinels. With
+    ``out=(plan_c, plan_w)`` (``[num_q_tokens, 16]`` / ``[num_q_tokens, 8]``, one device) the
+    plans are written there (``plan_compress_prefill_out``).
+    """
+    args = (req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_swa, int(num_q_tokens),
+            int(compress_ratio), int(swa_page_size), int(ring_size), bool(use_req_ring))
+    if out is None:
+        plan_c, plan_w = torch.ops.dsv4.plan_compress_prefill(*args, bool(use_cuda_graph))
+    else:
+        plan_c, plan_w = out
+        torch.ops.dsv4.plan_compress_prefill_out(*args, plan_c, plan_w)
+    return CompressPlan(plan_c, plan_w, int(compress_ratio), False)
+
+
+def compress_forward(
+    state: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    ape: torch.Tensor,
+    plan: Union[CompressPlan, torch.Tensor],
+    plan_w: Optional[torch.Tensor] = None,
+    *,
+    head_dim: int,
+    compress_ratio: Optional[int] = None,
+    is_decode: Optional[bool] = None,
+) -> torch.Tensor:
+    """c4 / c128 compression (§4): returns ``[plan rows, head_dim]`` in the input dtype (row k for
+    plan row k; zero where no entry is emitted) and updates the state ring in place.
+
+    ``state`` is the pool of ``alloc_compress_state`` (or a dim-0 slice of it), ``kv_score_input``
+    the raw projection rows ``[N, W]``, ``ape`` the kernel bias of ``ape_for_kernel``. ``plan`` is a
+    ``CompressPlan`` or the raw plan tensor with explicit ``compress_ratio`` and ``is_decode``
+    (and ``plan_w`` for prefill).
+    """
+    if isinstance(plan, CompressPlan):
+        for name, given, own in (("compress_ratio", compress_ratio, plan.compress_ratio),
+                                 ("is_decode", is_decode, plan.is_decode)):
+            if given is not None and given != own:
+                raise ValueError(f"compress_forward: {name}={given} contradicts the plan's {own}")
+        if plan_w is not None:
+            raise ValueError("compress_forward: pass plan_w inside the CompressPlan, not beside it")
+        plan_tensor, plan_w = plan.plan, plan.plan_w
+        compress_ratio, is_decode = plan.compress_ratio, plan.is_decode
+    else:
+        if compress_ratio is None or is_decode is None:
+            raise TypeError("compress_forward: a raw plan tensor needs explicit compress_ratio and is_decode")
+        plan_tensor = plan
+    return torch.ops.dsv4.compress_forward(state, kv_score_input, ape, plan_tensor, plan_w, int(head_dim),
+                                           int(compress_ratio), bool(is_decode))

@@ -16,3 +16,5 @@ from .metadata import (  # noqa: F401  page tables, low-ratio / compression meta
 )
 from .writers import *  # noqa: F401,F403  reference fused_k_norm_rope_flashmla, compress_norm_rope_store
 from .low_ratio import *  # noqa: F401,F403  reference c1 / c2 decode compressors
+from .plans import *  # noqa: F401,F403  c4/c128 planners, unpack_plan
+from .compress import *  # noqa: F401,F403  c4/c128 compress_forward, fp64 ground truth

@@ -1,0 +1,405 @@
+// CUDA kernels of compress_forward. c4: one thread per 4 channels of an entry (D/4 threads), all 8
+// window slots in registers. c128: a block per (rows, 128-channel chunk); its 8 warps each pool a
+// 16-slot slice online, merged with a max-rescaled reduction. Prefill writes run in a second launch.
+#include "forward_launch.h"
+#include "dsv4/launch.cuh"
+#include "dsv4/quant.cuh"
+
+namespace dsv4 {
+
+namespace {
+
+constexpr int kC4Threads = 128;
+constexpr int kC128Slices = 8;                      // one warp per slice of the window
+constexpr int kC128Chunk = 128;                     // channels per block: 32 lanes x 4
+constexpr int kC128Threads = 32 * kC128Slices;
+constexpr int kC128MaxRowsPerBlock = 8;
+constexpr int kC128Group = 8;                       // slots whose loads are in flight together
+constexpr int kC128ItemsPerRow = 2 * kC128Chunk / 4;  // float4 items of a row's (kv, s) chunk
+constexpr int kWriteWarps = 8;
+
+__device__ __forceinline__ float4 neg_inf4() {
+  const float n = __int_as_float(0xFF800000);
+  return make_float4(n, n, n, n);
+}
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// Four consecutive bf16 or fp32 elements starting at element i, widened; vector access when aligned.
+template <bool Bf16>
+__device__ __forceinline__ float4 load4(const void* base, int64_t i) {
+  if constexpr (Bf16) {
+    const uint16_t* s = static_cast<const uint16_t*>(base) + i;
+    if ((reinterpret_cast<uintptr_t>(s) & 7) == 0) {
+      const uint2 v = *reinterpret_cast<const uint2*>(s);
+      return make_float4(bf16_to_f32(uint16_t(v.x & 0xFFFFu)), bf16_to_f32(uint16_t(v.x >> 16)),
+                         bf16_to_f32(uint16_t(v.y & 0xFFFFu)), bf16_to_f32(uint16_t(v.y >> 16)));
+    }
+    return make_float4(bf16_to_f32(s[0]), bf16_to_f32(s[1]), bf16_to_f32(s[2]), bf16_to_f32(s[3]));
+  } else {
+    const float* s = static_cast<const float*>(base) + i;
+    if ((reinterpret_cast<uintptr_t>(s) & 15) == 0) return *reinterpret_cast<const float4*>(s);
+    return make_float4(s[0], s[1], s[2], s[3]);
+  }
+}
+
+// Rounds (RNE) to bf16 or stores fp32, at element i.
+template <bool Bf16>
+__device__ __forceinline__ void store4(void* base, int64_t i, float4 v) {
+  if constexpr (Bf16) {
+    uint16_t* d = static_cast<uint16_t*>(base) + i;
+    const uint16_t h[4] = {f32_to_bf16(v.x), f32_to_bf16(v.y), f32_to_bf16(v.z), f32_to_bf16(v.w)};
+    if ((reinterpret_cast<uintptr_t>(d) & 7) == 0) {
+      *reinterpret_cast<uint2*>(d) = make_uint2(h[0] | (uint32_t(h[1]) << 16), h[2] | (uint32_t(h[3]) << 16));
+    } else {
+      d[0] = h[0]; d[1] = h[1]; d[2] = h[2]; d[3] = h[3];
+    }
+  } else {
+    float* d = static_cast<float*>(base) + i;
+    if ((reinterpret_cast<uintptr_t>(d) & 15) == 0) {
+      *reinterpret_cast<float4*>(d) = v;
+    } else {
+      d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
+    }
+  }
+}
+
+__device__ __forceinline__ DecodeEntry load_decode_entry(const uint8_t* row) {
+  const uint4 v = *reinterpret_cast<const uint4*>(row);
+  return DecodeEntry{v.x, int32_t(v.y), int32_t(v.z), int32_t(v.w)};
+}
+
+__device__ __forceinline__ CompressEntry load_compress_entry(const uint8_t* row) {
+  const uint4 v = *reinterpret_cast<const uint4*>(row);
+  return CompressEntry{v.x, uint16_t(v.y & 0xFFFFu), uint16_t(v.y >> 16), int32_t(v.z), int32_t(v.w)};
+}
+
+// The raw loads of window slot k for channels [c, c+4): value, score and the slot's ape row. Only
+// loads, so that a caller can issue every slot's loads before the first use (one memory latency per
+// window instead of one per slot). Pad slots are synthesised: value 0, score -inf.
+struct SlotLoads {
+  float4 value, score, bias;
+};
+
+template <bool InBf16, bool StBf16>
+__device__ __forceinline__ SlotLoads issue_slot(const ForwardParams& p, const PoolWindow& w, int k, int64_t c) {
+  const int64_t D = p.head_dim;
+  const SlotSource s = slot_source(w, k, p.ratio, p.state_rows / p.ratio, p.input_rows);
+  const int64_t vc = value_column(p.ratio, k, D) + c, sc = score_column(p.ratio, k, D) + c;
+  SlotLoads l;
+  if (s.kind == SlotKind::State) {
+    const int64_t base = s.row * state_row_width(p.ratio, D);
+    l.value = load4<StBf16>(p.state, base + vc);
+    l.score = load4<StBf16>(p.state, base + sc);
+  } else if (s.kind == SlotKind::Input) {
+    const int64_t base = s.row * p.input_stride;
+    l.value = load4<InBf16>(p.input, base + vc);
+    l.score = load4<InBf16>(p.input, base + sc);
+  } else {
+    l.value = make_float4(0.f, 0.f, 0.f, 0.f);
+    l.score = neg_inf4();
+    l.bias = make_float4(0.f, 0.f, 0.f, 0.f);
+    return l;
+  }
+  l.bias = load4<false>(p.ape, int64_t(k) * D + c);
+  return l;
+}
+
+// Σ v·exp(s − m) / Σ exp(s − m) over N slots for one channel, m the slots' max (0 if all are pad).
+template <int N>
+__device__ __forceinline__ float softmax_pool(const float* s, const float* v) {
+  float m = s[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) m = s[k] > m ? s[k] : m;
+  if (m == __int_as_float(0xFF800000)) return 0.f;
+  float sum = 0.f, acc = 0.f;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float e = expf(s[k] - m);
+    sum += e;
+    acc += v[k] * e;
+  }
+  return acc / sum;
+}
+
+// c4: the 8-slot window for channels [c, c+4).
+template <bool InBf16, bool StBf16>
+__device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c) {
+  constexpr int kWindow = 8;
+  SlotLoads l[kWindow];
+#pragma unroll
+  for (int k = 0; k < kWindow; ++k) l[k] = issue_slot<InBf16, StBf16>(p, w, k, c);
+  float s[4][kWindow], v[4][kWindow];
+#pragma unroll
+  for (int k = 0; k < kWindow; ++k) {
+    const float4 score = add4(l[k].score, l[k].bias);
+    s[0][k] = score.x; s[1][k] = score.y; s[2][k] = score.z; s[3][k] = score.w;
+    v[0][k] = l[k].value.x; v[1][k] = l[k].value.y; v[2][k] = l[k].value.z; v[3][k] = l[k].value.w;
+  }
+  return make_float4(softmax_pool<kWindow>(s[0], v[0]), softmax_pool<kWindow>(s[1], v[1]),
+                     softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
+}
+
+// Running (max, Σ exp(s − max), Σ v·exp(s − max)) of one channel.
+struct OnlineSoftmax {
+  float m, l, a;
+  __device__ __forceinline__ void add(float s, float v) {
+    if (s == __int_as_float(0xFF800000)) return;  // pad slot
+    if (s > m) {
+      const float scale = expf(m - s);  // 0 for the first finite slot
+      l = l * scale + 1.f;
+      a = a * scale + v;
+      m = s;
+    } else {
+      const float e = expf(s - m);
+      l += e;
+      a += v * e;
+    }
+  }
+};
+
+struct C128Merge {
+  float m[kC128Slices][kC128Chunk];
+  float l[kC128Slices][kC128Chunk];
+  float a[kC128Slices][kC128Chunk];
+};
+
+// c128: the block's 128-channel chunk [chunk, chunk + 128) of one window. Warp `slice` pools slots
+// [16·slice, 16·slice + 16) online, then warp 0 merges the 8 partials in slice order (deterministic).
+// Every thread of the block must call it; the result is valid in warp 0.
+template <bool InBf16, bool StBf16>
+__device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t chunk, C128Merge& merge) {
+  constexpr int kSlots = 128 / kC128Slices;
+  const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
+  const int64_t c = chunk + 4 * lane;
+  OnlineSoftmax st[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) st[j] = OnlineSoftmax{__int_as_float(0xFF800000), 0.f, 0.f};
+  // Groups of kGroup slots: every load of a group is issued before the first use.
+#pragma unroll 1
+  for (int i0 = 0; i0 < kSlots; i0 += kC128Group) {
+    SlotLoads l[kC128Group];
+#pragma unroll
+    for (int i = 0; i < kC128Group; ++i) l[i] = issue_slot<InBf16, StBf16>(p, w, slice * kSlots + i0 + i, c);
+#pragma unroll
+    for (int i = 0; i < kC128Group; ++i) {
+      const float4 score = add4(l[i].score, l[i].bias);
+      st[0].add(score.x, l[i].value.x);
+      st[1].add(score.y, l[i].value.y);
+      st[2].add(score.z, l[i].value.z);
+      st[3].add(score.w, l[i].value.w);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    merge.m[slice][4 * lane + j] = st[j].m;
+    merge.l[slice][4 * lane + j] = st[j].l;
+    merge.a[slice][4 * lane + j] = st[j].a;
+  }
+  __syncthreads();
+  float out[4] = {0.f, 0.f, 0.f, 0.f};
+  if (slice == 0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int ch = 4 * lane + j;
+      float m = merge.m[0][ch];
+#pragma unroll
+      for (int s = 1; s < kC128Slices; ++s) m = merge.m[s][ch] > m ? merge.m[s][ch] : m;
+      if (m == __int_as_float(0xFF800000)) continue;
+      float l = 0.f, a = 0.f;
+#pragma unroll
+      for (int s = 0; s < kC128Slices; ++s) {
+        if (merge.m[s][ch] == __int_as_float(0xFF800000)) continue;
+        const float scale = expf(merge.m[s][ch] - m);
+        l += merge.l[s][ch] * scale;
+        a += merge.a[s][ch] * scale;
+      }
+      out[j] = a / l;
+    }
+  }
+  __syncthreads();  // `merge` is reused by the next window
+  return make_float4(out[0], out[1], out[2], out[3]);
+}
+
+// ---- c4 ----
+
+// Decode: one request per D/4 threads; pools on boundary rows, writes the input row on every row.
+template <bool InBf16, bool StBf16>
+__global__ void __launch_bounds__(kC4Threads) c4_decode_kernel(ForwardParams p) {
+  const int64_t D = p.head_dim;
+  const int threads_per_row = int(D / 4);
+  const int64_t b = int64_t(blockIdx.x) * (kC4Threads / threads_per_row) + threadIdx.x / threads_per_row;
+  const int64_t c = 4 * int64_t(threadIdx.x % threads_per_row);
+  pdl_wait_dependencies();
+  if (b >= p.plan_rows) return;
+  const DecodeEntry e = load_decode_entry(p.plan + b * kPlanRowBytes);
+  float4 row[4];  // kv_ov, kv, s_ov, s of the input row
+#pragma unroll
+  for (int part = 0; part < 4; ++part) row[part] = load4<InBf16>(p.input, b * p.input_stride + part * D + c);
+  // The write goes to the ring row of p, which this window never reads (it takes p from the
+  // input), so it may precede the pooling; that frees the row's registers first.
+  if (e.seq_len != kInvalidPlanWord && writable_state_row(e.write_loc, p.state_rows, 4)) {
+    const int64_t base = int64_t(e.write_loc) * 4 * D;
+#pragma unroll
+    for (int part = 0; part < 4; ++part) store4<StBf16>(p.state, base + part * D + c, row[part]);
+  }
+  const PoolWindow w = decode_window(e, b, 4);
+  float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (w.emits) out = pool_c4<InBf16, StBf16>(p, w, c);
+  pdl_launch_dependents();
+  store4<InBf16>(p.out, b * D + c, out);
+}
+
+// Prefill: one CompressPlan row per D/4 threads; invalid rows give zeros.
+template <bool InBf16, bool StBf16>
+__global__ void __launch_bounds__(kC4Threads) c4_prefill_kernel(ForwardParams p) {
+  const int64_t D = p.head_dim;
+  const int threads_per_row = int(D / 4);
+  const int64_t k = int64_t(blockIdx.x) * (kC4Threads / threads_per_row) + threadIdx.x / threads_per_row;
+  const int64_t c = 4 * int64_t(threadIdx.x % threads_per_row);
+  pdl_wait_dependencies();
+  if (k >= p.plan_rows) return;
+  const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
+  float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (w.emits) out = pool_c4<InBf16, StBf16>(p, w, c);
+  pdl_launch_dependents();
+  store4<InBf16>(p.out, k * D + c, out);
+}
+
+// ---- c128 ----
+
+// Decode: block (x, y) serves requests [x·R, x·R + R) on channel chunk y: it copies that chunk of
+// each input row (kv and s halves) to the state and pools the requests that close a chunk.
+template <bool InBf16, bool StBf16>
+__global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams p, int rows_per_block) {
+  __shared__ DecodeEntry entries[kC128MaxRowsPerBlock];
+  __shared__ C128Merge merge;
+  constexpr int kItems = kC128MaxRowsPerBlock * kC128ItemsPerRow / kC128Threads;
+  const int64_t D = p.head_dim;
+  const int64_t first = int64_t(blockIdx.x) * rows_per_block;
+  const int64_t chunk = int64_t(blockIdx.y) * kC128Chunk;
+  const int lane = threadIdx.x & 31;
+  pdl_wait_dependencies();
+  if (threadIdx.x < rows_per_block && first + threadIdx.x < p.plan_rows) {
+    entries[threadIdx.x] = load_decode_entry(p.plan + (first + threadIdx.x) * kPlanRowBytes);
+  }
+  // Input loads do not depend on the plan: issue them before the barrier.
+  float4 item[kItems];
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int idx = threadIdx.x + i * kC128Threads;
+    const int r = idx / kC128ItemsPerRow;
+    const int64_t col = ((idx / 32) % 2) * D + chunk + 4 * (idx % 32);
+    if (r < rows_per_block && first + r < p.plan_rows) item[i] = load4<InBf16>(p.input, (first + r) * p.input_stride + col);
+  }
+  __syncthreads();
+  // The writes go to the ring rows of the current positions, which no window of this call reads
+  // (each takes its current token from the input), so they may precede the pooling.
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int idx = threadIdx.x + i * kC128Threads;
+    const int r = idx / kC128ItemsPerRow;
+    if (r >= rows_per_block || first + r >= p.plan_rows) continue;
+    const DecodeEntry e = entries[r];
+    if (e.seq_len == kInvalidPlanWord || !writable_state_row(e.write_loc, p.state_rows, 128)) continue;
+    const int64_t col = ((idx / 32) % 2) * D + chunk + 4 * (idx % 32);
+    store4<StBf16>(p.state, int64_t(e.write_loc) * 2 * D + col, item[i]);
+  }
+  for (int r = 0; r < rows_per_block && first + r < p.plan_rows; ++r) {
+    const int64_t b = first + r;
+    const PoolWindow w = decode_window(entries[r], b, 128);
+    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (w.emits) out = pool_c128<InBf16, StBf16>(p, w, chunk, merge);  // block-uniform branch
+    if (threadIdx.x < 32) store4<InBf16>(p.out, b * D + chunk + 4 * lane, out);
+  }
+  pdl_launch_dependents();
+}
+
+// Prefill: block (x, y) pools CompressPlan rows [x·R, x·R + R) on channel chunk y.
+template <bool InBf16, bool StBf16>
+__global__ void __launch_bounds__(kC128Threads) c128_prefill_kernel(ForwardParams p, int rows_per_block) {
+  __shared__ C128Merge merge;
+  const int64_t D = p.head_dim;
+  const int64_t first = int64_t(blockIdx.x) * rows_per_block;
+  const int64_t chunk = int64_t(blockIdx.y) * kC128Chunk;
+  const int lane = threadIdx.x & 31;
+  pdl_wait_dependencies();
+  for (int r = 0; r < rows_per_block && first + r < p.plan_rows; ++r) {
+    const int64_t k = first + r;
+    const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
+    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (w.emits) out = pool_c128<InBf16, StBf16>(p, w, chunk, merge);  // block-uniform branch
+    if (threadIdx.x < 32) store4<InBf16>(p.out, k * D + chunk + 4 * lane, out);
+  }
+  pdl_launch_dependents();
+}
+
+// ---- prefill state writes (second launch) ----
+
+// One warp per WritePlan row: copies the whole input row to its state row.
+template <bool InBf16, bool StBf16>
+__global__ void __launch_bounds__(kWriteWarps * 32) state_write_kernel(ForwardParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t i = int64_t(blockIdx.x) * kWriteWarps + (threadIdx.x >> 5);
+  pdl_wait_dependencies();  // the compress launch has read the ring; also guards the plan_w read
+  if (i >= p.plan_w_rows) return;
+  const uint2 raw = *reinterpret_cast<const uint2*>(p.plan_w + i * kWritePlanRowBytes);
+  const int64_t src = raw.x, dst = int32_t(raw.y);
+  if (raw.x == kInvalidPlanWord || src >= p.input_rows || !writable_state_row(dst, p.state_rows, p.ratio)) return;
+  const int64_t width = state_row_width(p.ratio, p.head_dim);
+#pragma unroll 4
+  for (int64_t col = 4 * lane; col < width; col += 4 * 32) {
+    store4<StBf16>(p.state, dst * width + col, load4<InBf16>(p.input, src * p.input_stride + col));
+  }
+}
+
+unsigned blocks_for(int64_t n, int64_t per_block) { return unsigned((n + per_block - 1) / per_block); }
+
+// Rows per c128 block: enough blocks to fill the GPU at small sizes, fewer and fuller ones at large.
+int c128_rows_per_block(int64_t rows) {
+  const int64_t r = rows / 128;
+  return int(r < 1 ? 1 : (r > kC128MaxRowsPerBlock ? kC128MaxRowsPerBlock : r));
+}
+
+template <bool InBf16, bool StBf16>
+void launch(const ForwardParams& p, cudaStream_t stream) {
+  const int64_t c4_rows_per_block = kC4Threads / (p.head_dim / 4);
+  if (p.plan_rows > 0) {
+    if (p.ratio == 4) {
+      const dim3 grid(blocks_for(p.plan_rows, c4_rows_per_block));
+      if (p.is_decode) {
+        launch_kernel(c4_decode_kernel<InBf16, StBf16>, grid, dim3(kC4Threads), 0, stream, "compress_forward", p);
+      } else {
+        launch_kernel(c4_prefill_kernel<InBf16, StBf16>, grid, dim3(kC4Threads), 0, stream, "compress_forward", p);
+      }
+    } else {
+      const int rows_per_block = c128_rows_per_block(p.plan_rows);
+      const dim3 grid(blocks_for(p.plan_rows, rows_per_block), unsigned(p.head_dim / kC128Chunk));
+      if (p.is_decode) {
+        launch_kernel(c128_decode_kernel<InBf16, StBf16>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
+                      p, rows_per_block);
+      } else {
+        launch_kernel(c128_prefill_kernel<InBf16, StBf16>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
+                      p, rows_per_block);
+      }
+    }
+  }
+  if (!p.is_decode && p.plan_w_rows > 0) {
+    launch_kernel(state_write_kernel<InBf16, StBf16>, dim3(blocks_for(p.plan_w_rows, kWriteWarps)),
+                  dim3(kWriteWarps * 32), 0, stream, "compress_forward (state write)", p);
+  }
+}
+
+}  // namespace
+
+void compress_forward_cuda(const ForwardParams& p, cudaStream_t stream) {
+  if (p.input_bf16) {
+    if (p.state_bf16) launch<true, true>(p, stream); else launch<true, false>(p, stream);
+  } else {
+    if (p.state_bf16) launch<false, true>(p, stream); else launch<false, false>(p, stream);
+  }
+}
+
+}  // namespace dsv4

@@ -1,0 +1,250 @@
+// Integer rules of the c4/c128 compression plans (compressors.md §2.2, §3): entry layouts and
+// sentinels, the state-slot lookup, page(), stage-0 packing, per-request counts and the k-th entry of
+// each plan. The CPU planner and the CUDA planner both build every byte from these functions.
+#pragma once
+
+#include <cstdint>
+
+#include "dsv4/kv_layout.cuh"
+
+namespace dsv4 {
+
+// ---- entry layouts (§3.1); little-endian, so the structs are the bytes ----
+
+// Word 0 of every invalid plan row.
+constexpr uint32_t kInvalidPlanWord = 0xFFFFFFFFu;
+constexpr int kPlanRowBytes = 16;       // DecodePlan and CompressPlan rows
+constexpr int kWritePlanRowBytes = 8;   // WritePlan rows
+// Ragged ids are zero-based uint16, so one prefill plan covers at most 2^16 tokens.
+constexpr int64_t kMaxPlanTokens = int64_t(1) << 16;
+// Batch ids are packed into 16 bits next to 0xFFFF; upstream keeps the batch below 0xFFFF.
+constexpr int64_t kMaxPlanBatch = 0xFFFF - 1;
+constexpr int64_t kMaxSeqLen = 0x7FFFFFFF;
+
+struct DecodeEntry {
+  uint32_t seq_len;
+  int32_t write_loc;
+  int32_t read_page_0;
+  int32_t read_page_1;
+};
+
+struct CompressEntry {
+  uint32_t seq_len;
+  uint16_t ragged_id;
+  uint16_t buffer_len;
+  int32_t read_page_0;
+  int32_t read_page_1;  // stage 0: the batch index
+};
+
+struct WriteEntry {
+  uint32_t word0;     // stage 0: pack(batch, ragged_id); final: ragged_id
+  int32_t write_loc;  // stage 0: p + 1; final: slot(rid, p)
+};
+
+static_assert(sizeof(DecodeEntry) == kPlanRowBytes, "DecodePlan row is 16 bytes");
+static_assert(sizeof(CompressEntry) == kPlanRowBytes, "CompressPlan row is 16 bytes");
+static_assert(sizeof(WriteEntry) == kWritePlanRowBytes, "WritePlan row is 8 bytes");
+
+DSV4_HD DecodeEntry invalid_decode_entry() { return DecodeEntry{kInvalidPlanWord, -1, -1, -1}; }
+DSV4_HD CompressEntry invalid_compress_entry() { return CompressEntry{kInvalidPlanWord, 0, 0, -1, -1}; }
+DSV4_HD WriteEntry invalid_write_entry() { return WriteEntry{kInvalidPlanWord, -1}; }
+
+DSV4_HD uint32_t pack_batch_ragged(int64_t batch, int64_t ragged) {
+  return (uint32_t(batch) << 16) | uint32_t(ragged & 0xFFFF);
+}
+
+// ---- ratio geometry (§0, §2.1, §3.3) ----
+
+DSV4_HD constexpr int compress_window(int ratio) { return ratio == 4 ? 2 * ratio : ratio; }
+
+// Ring rows a verify may need beyond the window; 0 for a non-speculative ring (ring == window).
+DSV4_HD constexpr int64_t mtp_pad(int ratio, int64_t ring) {
+  return ring > compress_window(ratio) ? ring - compress_window(ratio) + 2 : 0;
+}
+
+// ---- index tensors ----
+
+// A read-only int32 or int64 vector (or matrix with a row stride); null when the tensor is absent.
+struct IndexView {
+  const void* data;
+  bool is_int64;
+  DSV4_HD int64_t operator[](int64_t i) const {
+    return is_int64 ? static_cast<const int64_t*>(data)[i] : int64_t(static_cast<const int32_t*>(data)[i]);
+  }
+};
+
+// ---- state slot lookup (§2.2) ----
+
+struct SlotLookup {
+  IndexView req_to_token;  // [r2t_rows, r2t_cols] (row stride r2t_stride); data null when absent
+  int64_t r2t_rows, r2t_cols, r2t_stride;
+  IndexView full_to_swa;   // [f2s_len]; paged mode only
+  int64_t f2s_len;
+  int64_t ring;
+  int64_t swa_page_size;
+  bool paged;              // paged c4; otherwise request rings
+};
+
+// State row of position p of request rid, or -1 for an invalid lookup. Computed in 64 bits; a slot
+// above 2^31 - 1 is invalid too.
+DSV4_HD int64_t state_slot(const SlotLookup& s, int64_t rid, int64_t p) {
+  if (rid < 0 || p < 0) return -1;
+  int64_t slot;
+  if (s.paged) {
+    if (rid >= s.r2t_rows || p >= s.r2t_cols) return -1;
+    const int64_t loc = s.req_to_token[rid * s.r2t_stride + p];
+    if (loc < 0 || loc >= s.f2s_len) return -1;
+    const int64_t swa = s.full_to_swa[loc];
+    if (swa < 0) return -1;
+    // swa_page_size >= ring, so this never exceeds swa: no overflow.
+    slot = (swa / s.swa_page_size) * s.ring + swa % s.ring;
+  } else {
+    if (s.req_to_token.data != nullptr && rid >= s.r2t_rows) return -1;
+    if (rid > kMaxSeqLen / s.ring) return -1;  // rid * ring alone would pass 2^31 - 1
+    slot = rid * s.ring + p % s.ring;
+  }
+  return slot > kMaxSeqLen ? -1 : slot;
+}
+
+// page(slot): -1 for a failed lookup, never a truncated negative quotient.
+DSV4_HD int32_t state_page(int64_t slot, int ratio) { return slot < 0 ? -1 : int32_t(slot / ratio); }
+
+// ---- decode planner (§3.4) ----
+
+DSV4_HD DecodeEntry decode_entry(int64_t seq_len, int64_t rid, const SlotLookup& s, int ratio) {
+  if (seq_len <= 0) return invalid_decode_entry();
+  const int64_t L = seq_len > kMaxSeqLen ? kMaxSeqLen : seq_len;  // out of envelope: clamp, stay safe
+  const int64_t p = L - 1;
+  const int64_t slot = state_slot(s, rid, p);
+  DecodeEntry e;
+  e.seq_len = uint32_t(L);
+  e.write_loc = int32_t(slot);
+  e.read_page_1 = state_page(slot, ratio);
+  e.read_page_0 = (ratio == 4 && L >= 2 * ratio) ? state_page(state_slot(s, rid, p - ratio), ratio) : -1;
+  return e;
+}
+
+// ---- prefill planner (§3.3) ----
+
+struct PlanGeometry {
+  int ratio;
+  int window;
+  int64_t mtp_pad;
+  int64_t swa_page_size;
+  bool band;          // paged c4: the last 4 tokens of every SWA page are always written
+  int64_t num_q_tokens;
+};
+
+DSV4_HD PlanGeometry plan_geometry(int ratio, int64_t ring, int64_t swa_page_size, bool paged,
+                                   int64_t num_q_tokens) {
+  return PlanGeometry{ratio, compress_window(ratio), mtp_pad(ratio, ring), swa_page_size,
+                      ratio == 4 && paged, num_q_tokens};
+}
+
+// seq_lens / extend_lens as the planners read them. Valid inputs pass unchanged; the GPU path, which
+// never checks values, clamps out-of-envelope ones into int32 so that no arithmetic overflows.
+DSV4_HD int64_t planned_seq_len(int64_t v) {
+  return v > kMaxSeqLen ? kMaxSeqLen : (v < -kMaxSeqLen - 1 ? -kMaxSeqLen - 1 : v);
+}
+DSV4_HD int64_t planned_extend_len(int64_t v) { return v < 0 ? 0 : (v > kMaxSeqLen ? kMaxSeqLen : v); }
+
+// Positions of one request that the plans cover (§3.3 "Counts").
+struct RequestPlan {
+  int64_t prefix;     // L - E'
+  int64_t off;        // ragged offset of the request's first token
+  int64_t a, z;       // tokens at positions [a, z) are planned
+  int64_t t;          // every position in [t, z) is written
+  int64_t band_base;  // band positions below a (f(a))
+  int64_t n_c, n_w, n_band;
+};
+
+// Band positions (p % sps >= sps - 4) in [0, x), for x >= 0.
+DSV4_HD int64_t band_positions_below(int64_t x, int64_t sps) {
+  const int64_t tail = x % sps - (sps - 4);
+  return (x / sps) * 4 + (tail > 0 ? tail : 0);
+}
+
+// `seq_len` and `extend_len` as read (planned_*), `off` the sum of the earlier requests' extend_len.
+DSV4_HD RequestPlan plan_request(const PlanGeometry& g, int64_t seq_len, int64_t extend_len, int64_t off) {
+  RequestPlan rp{};
+  const int64_t L = seq_len;
+  rp.prefix = L - extend_len;
+  rp.off = off;
+  rp.a = rp.prefix > 0 ? rp.prefix : 0;
+  const int64_t room = g.num_q_tokens - off;
+  const int64_t reach = rp.prefix + (room > 0 ? room : 0);
+  rp.z = L < reach ? L : reach;
+  if (rp.z <= rp.a) {
+    rp.z = rp.a;
+    rp.t = rp.a;
+    return rp;
+  }
+  // z > a >= 0, so L > 0 and the divisions below are of non-negative numbers.
+  const int64_t last_c = (L / g.ratio) * g.ratio;
+  const int64_t overlap_chunk = g.ratio == 4 ? 4 : 0;
+  const int64_t first_w = (last_c - overlap_chunk) < (L - g.mtp_pad) ? (last_c - overlap_chunk) : (L - g.mtp_pad);
+  rp.t = rp.a > first_w ? rp.a : first_w;
+  rp.n_c = rp.z / g.ratio - rp.a / g.ratio;
+  const int64_t band_end = rp.z < rp.t ? rp.z : rp.t;
+  if (g.band) {
+    rp.band_base = band_positions_below(rp.a, g.swa_page_size);
+    rp.n_band = band_positions_below(band_end, g.swa_page_size) - rp.band_base;
+  }
+  rp.n_w = (rp.z > rp.t ? rp.z - rp.t : 0) + rp.n_band;
+  return rp;
+}
+
+// The k-th CompressPlan entry of a request (k < n_c), stage 0: read_page_1 carries the batch index.
+DSV4_HD CompressEntry compress_entry_stage0(const PlanGeometry& g, const RequestPlan& rp, int64_t k,
+                                            int64_t batch) {
+  const int64_t p = (rp.a / g.ratio + 1 + k) * g.ratio - 1;
+  const int64_t j = p - rp.prefix;
+  const int64_t in_window = j + 1 < g.window ? j + 1 : g.window;
+  CompressEntry e;
+  e.seq_len = uint32_t(p + 1);
+  e.ragged_id = uint16_t(rp.off + j);
+  e.buffer_len = uint16_t(g.window - in_window);
+  e.read_page_0 = -1;
+  e.read_page_1 = int32_t(batch);
+  return e;
+}
+
+// Position of the k-th WritePlan entry of a request (k < n_w): band positions below t first, then [t, z).
+DSV4_HD int64_t write_position(const PlanGeometry& g, const RequestPlan& rp, int64_t k) {
+  if (k < rp.n_band) {
+    const int64_t m = rp.band_base + k;
+    return (m / 4) * g.swa_page_size + (g.swa_page_size - 4) + m % 4;
+  }
+  return rp.t + (k - rp.n_band);
+}
+
+DSV4_HD WriteEntry write_entry_stage0(const PlanGeometry& g, const RequestPlan& rp, int64_t k, int64_t batch) {
+  const int64_t p = write_position(g, rp, k);
+  return WriteEntry{pack_batch_ragged(batch, rp.off + (p - rp.prefix)), int32_t(p + 1)};
+}
+
+// ---- stage 1 (§3.2): table lookups, in place ----
+
+DSV4_HD void finalize_compress_entry(CompressEntry& e, int64_t rid, const SlotLookup& s, int ratio) {
+  if (e.seq_len == kInvalidPlanWord) return;
+  if (e.buffer_len == 0) {
+    e.read_page_0 = -1;
+    e.read_page_1 = -1;
+    return;
+  }
+  const int64_t p = int64_t(e.seq_len) - 1;
+  e.read_page_1 = state_page(state_slot(s, rid, p), ratio);
+  e.read_page_0 = (ratio == 4 && p >= 2 * ratio - 1) ? state_page(state_slot(s, rid, p - ratio), ratio) : -1;
+}
+
+// `rid` must be req_pool_indices[stage0_batch(e)].
+DSV4_HD int64_t stage0_batch(const WriteEntry& e) { return int64_t(e.word0 >> 16); }
+
+DSV4_HD void finalize_write_entry(WriteEntry& e, int64_t rid, const SlotLookup& s) {
+  if (e.word0 == kInvalidPlanWord) return;
+  const int64_t p = int64_t(e.write_loc) - 1;
+  e.word0 &= 0xFFFFu;
+  e.write_loc = int32_t(state_slot(s, rid, p));
+}
+
+}  // namespace dsv4

@@ -1,0 +1,696 @@
+"""Tests of compress_forward, c4 and c128 (compressors.md §4, §8.1, §8.3): fp64 truth, exact state rows and
+the pad page over prefill / decode / extend / verify sequences, the plan -> compress -> store -> dequant
+pipeline, validation, opcheck, compile without state clones, CUDA-graph replay and PDL on/off."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import sgl_dsv4_kernels as dsv4
+from sgl_dsv4_kernels import reference as ref
+
+from compress_cases import CUDA_MARKS, DEVICES, HAS_CUDA, Engine, capacity, gen, width_of
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (ratio, head_dim, paged, sps): c4 in paged mode (sps 256 and 64) and request rings, D 512 and 128;
+# c128 in request rings.
+C4_MODES = [(512, True, 256), (512, True, 64), (512, False, 0), (128, True, 256), (128, False, 0)]
+C4_IDS = ["D512-paged256", "D512-paged64", "D512-reqring", "D128-paged256", "D128-reqring"]
+
+
+def c4_engines(device, **kw):
+    for (D, paged, sps), name in zip(C4_MODES, C4_IDS):
+        for ring in (8, 16):
+            yield f"{name}-ring{ring}", lambda D=D, paged=paged, sps=sps, ring=ring: Engine(
+                4, D, ring, paged=paged, sps=sps or 256, device=device, **kw)
+
+
+def c128_engines(device, **kw):
+    for ring in (128, 256):
+        yield f"ring{ring}", lambda ring=ring: Engine(128, 512, ring, paged=False, device=device, **kw)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# §8.1 scenarios against the fp64 truth
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_prefill_from_scratch(device, ratio):
+    lengths = (4, 5, 8, 32, 256, 1024) if ratio == 4 else (128, 129, 256, 512, 1000)
+    engines = c4_engines(device) if ratio == 4 else c128_engines(device)
+    for name, make in engines:
+        for L in lengths:
+            e = make()
+            e.extend([1], [L])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_prefill_then_decode_across_boundaries(device, ratio):
+    if ratio == 4:
+        prefixes, steps, engines = (4, 256), 9, c4_engines(device)
+    else:
+        prefixes, steps, engines = (0, 128, 256), 130, c128_engines(device)
+    for name, make in engines:
+        e = make()
+        rids = list(range(1, len(prefixes) + 1))
+        live = [(r, p) for r, p in zip(rids, prefixes) if p > 0]
+        if live:
+            e.extend([r for r, _ in live], [p for _, p in live])
+        for _ in range(steps):
+            e.decode(rids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_prefill_then_extend_every_buffer_len(device, ratio):
+    """Every (prefix, extend) pair is a request of one batch, so every buffer_len value is checked."""
+    if ratio == 4:
+        prefixes, extends, engines = (256, 257, 258, 259, 512, 768), (1, 3, 4, 32), c4_engines
+    else:
+        prefixes, extends, engines = (120, 128, 129, 191, 255, 256), (8, 128, 256), c128_engines
+    pairs = [(p, x) for p in prefixes for x in extends]
+    for name, make in engines(device, num_requests=len(pairs), max_tokens=1024):
+        e = make()
+        rids = list(range(1, len(pairs) + 1))
+        e.extend(rids, [p for p, _ in pairs])
+        out = e.extend(rids, [x for _, x in pairs])
+        lens = ref.unpack_plan(dsv4.plan_compress_prefill(
+            torch.tensor(rids), torch.tensor([p + x for p, x in pairs]), torch.tensor([x for _, x in pairs]),
+            e.req_to_token, e.full_to_swa, num_q_tokens=sum(x for _, x in pairs), **e.plan_kwargs()).plan,
+            "compress")["buffer_len"]
+        want = set(range(8)) if ratio == 4 else {0, 1, 63, 120, 127}
+        assert want <= set(lens.tolist()), name
+        assert out.shape[1] == e.D
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_multibatch_plan_order(device, ratio):
+    lengths = (8, 256, 260, 1023) if ratio == 4 else (128, 300, 512)
+    engines = c4_engines(device) if ratio == 4 else c128_engines(device)
+    for name, make in engines:
+        e = make()
+        rids = [3, 1, 4, 2][: len(lengths)]
+        e.extend(rids, list(lengths))
+        e.extend(rids, [5, 0, 13, 1][: len(lengths)])  # mixed extends, one request idle
+
+
+def test_c128_all_residues_cpu():
+    """prefix 128 + k for every k in [0, 128), extend 128: buffer_len k appears once per residue."""
+    e = Engine(128, 512, 256, paged=False, num_requests=128, max_tokens=512, seed=("residues",))
+    rids = list(range(1, 129))
+    e.extend(rids, [128 + k for k in range(128)], check_reference_plan=False)
+    e.extend(rids, [128] * 128, check_reference_plan=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sps", [256, 64])
+@pytest.mark.parametrize("ring", [8, 16])
+def test_page_tail_rows_and_resume_at_swa_page_edge(device, sps, ring):
+    e = Engine(4, 512, ring, paged=True, sps=sps, num_requests=3, max_tokens=1536, device=device)
+    e.extend([1], [1024])
+    state = e.state.cpu()
+    rows = e.history[1]
+    for p in range(1024):
+        if p % sps >= sps - 4:
+            assert torch.equal(state[e.slot(1, p)], rows[p]), f"page-tail row of position {p}"
+    # Request 2 resumes from request 1's cached prefix at an SWA page edge and reads its tail band.
+    edge = 3 * sps if 3 * sps < 1024 else 2 * sps
+    e.share_prefix(2, 1, edge)
+    e.extend([2], [37])
+    e.share_prefix(3, 1, sps)
+    e.extend([3], [3])  # first window's overlap only from the band rows
+    for _ in range(5):
+        e.decode([2, 3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio,draft", [(4, 1), (4, 2), (4, 5), (4, 10), (128, 1), (128, 5), (128, 64), (128, 130)])
+def test_speculative_trajectory(device, ratio, draft):
+    """Verify calls of D_v tokens, a random accept in [1, D_v] each, rows >= the new prefix redrawn."""
+    ring = 16 if ratio == 4 else 256
+    assert draft <= capacity(ratio, ring)
+    paged = ratio == 4
+    e = Engine(ratio, 512, ring, paged=paged, sps=256, num_requests=2, max_tokens=4096, device=device,
+               seed=("spec", ratio, draft))
+    g = gen("accept", ratio, draft)
+    start = (37, 250) if ratio == 4 else (250, 383)
+    e.extend([1, 2], list(start))
+    steps = 12 if ratio == 4 else (40 if draft == 1 else 10)
+    for _ in range(steps):
+        accept = [int(torch.randint(1, draft + 1, (1,), generator=g)) for _ in range(2)]
+        e.extend([1, 2], [draft, draft], accept=accept)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_bf16_state(device, ratio):
+    """bf16 state with bf16-representable inputs meets the fp32 tolerance; arbitrary inputs stay < 0.1."""
+    ring = 16 if ratio == 4 else 256
+    e = Engine(ratio, 512, ring, paged=ratio == 4, state_dtype=torch.bfloat16, device=device, seed=("bf16", ratio))
+    e.extend([1, 2], [300, 133])
+    e.extend([1, 2], [40, 5])
+    for _ in range(10 if ratio == 4 else 130):
+        e.decode([1, 2])
+    # Arbitrary fp32 rows: the ring keeps their bf16 roundings, so the truth (from the fp32 rows) is
+    # met within 0.1.
+    loose = Engine(ratio, 512, ring, paged=ratio == 4, state_dtype=torch.bfloat16, device=device,
+                   seed=("bf16-loose", ratio))
+    x = torch.randn(300, loose.W, generator=gen("loose")) * 2
+    loose.extend([1], [300], rows=[x])
+    for _ in range(10 if ratio == 4 else 130):
+        loose.decode([1], rows=torch.randn(1, loose.W, generator=gen("loose", len(loose.history[1]))), out_tol=0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_bf16_input(device, ratio):
+    """bf16 projection rows: a bf16 output within one bf16 ulp of the rounded truth."""
+    ring = 16 if ratio == 4 else 128
+    e = Engine(ratio, 512, ring, paged=False, input_dtype=torch.bfloat16, device=device, seed=("bf16-in", ratio))
+    e.extend([1], [300])
+    for _ in range(10 if ratio == 4 else 130):
+        e.decode([1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_padded_decode_rows_leave_live_state_unchanged(device, ratio):
+    """A 200-step decode batch whose padded rows carry rid 0 and seq_len 1 (§8.3)."""
+    ring = 8 if ratio == 4 else 128
+    e = Engine(ratio, 512 if ratio == 128 else 128, ring, paged=ratio == 4, num_requests=3, max_tokens=1024,
+               device=device, seed=("padded", ratio))
+    e.extend([1, 2, 3], [5, 130, 255])
+    rids = [1, 0, 2, 0, 3, 0]
+    for step in range(200):
+        seq = [len(e.history[r]) + 1 if r else 1 for r in rids]
+        e.decode(rids, seq_lens=seq, padded_ok=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_padded_verify_rows_leave_live_state_unchanged(device, ratio):
+    ring = 16 if ratio == 4 else 256
+    draft = 5
+    e = Engine(ratio, 512, ring, paged=ratio == 4, num_requests=2, max_tokens=2048, device=device,
+               seed=("padded-verify", ratio))
+    e.extend([1, 2], [61, 300])
+    g = gen("padded-verify-accept", ratio)
+    # Padded rows: rid 0, seq_len 1, E in {0, 1} (and D_v on the GPU path, which reads no values).
+    pad_extend = draft if device == "cuda" else 1
+    for step in range(8):
+        rids = [1, 0, 2, 0, 0]
+        prefixes = [len(e.history[1]), 1 - pad_extend, len(e.history[2]), 1, 0]
+        extends = [draft, pad_extend, draft, 0, 1]
+        accept = [int(torch.randint(1, draft + 1, (1,), generator=g)), 0, int(torch.randint(1, draft + 1, (1,),
+                                                                                                generator=g)), 0, 0]
+        e.extend(rids, extends, prefixes=prefixes, accept=accept, padded_ok=True,
+                 num_q_tokens=sum(extends) + 3, check_reference_plan=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The reference compressor and hand-built plans
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_reference_compressor_matches_truth_and_op(ratio):
+    D, ring = (128, 16) if ratio == 4 else (512, 256)
+    W = width_of(ratio, D)
+    g = gen("ref", ratio)
+    e = Engine(ratio, D, ring, paged=False, num_requests=2, seed=("ref", ratio))
+    e.extend([1, 2], [133, 260])
+    state_ref = e.state.clone()
+    x = torch.randn(70, W, generator=g)
+    rids, L, E = torch.tensor([1, 2]), torch.tensor([133 + 30, 260 + 40]), torch.tensor([30, 40])
+    plan = dsv4.plan_compress_prefill(rids, L, E, num_q_tokens=70, **e.plan_kwargs())
+    out_ref = ref.compress_forward(state_ref, x, e.ape, plan.plan, plan.plan_w, D, ratio, False)
+    out = dsv4.compress_forward(e.state, x, e.ape, plan, head_dim=D)
+    assert torch.equal(e.state, state_ref)
+    torch.testing.assert_close(out, out_ref, atol=2e-5, rtol=2e-5)
+    hist = [torch.cat([e.history[1], x[:30]]), torch.cat([e.history[2], x[30:]])]
+    f = ref.unpack_plan(plan.plan, "compress")
+    for k in range(plan.plan.shape[0]):
+        b = 0 if int(f["ragged_id"][k]) < 30 else 1
+        truth = ref.compress_entries_fp64(hist[b], e.ape, ratio, D)[int(f["seq_len"][k]) // ratio - 1]
+        torch.testing.assert_close(out_ref[k].double(), truth, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hand_built_plan_rows_skip_and_stay_in_bounds(device):
+    """Invalid rows give zeros, out-of-range pages and input rows read the pad value, writes outside
+    [0, rows - r) and ragged ids >= N are skipped; plan rows with ragged id 65535 are served."""
+    D, r = 128, 4
+    W = width_of(r, D)
+    g = gen("hand")
+    state = dsv4.alloc_compress_state(r, D, 4, 8, device=device)
+    state[: -r] = torch.randn(state.shape[0] - r, W, generator=g).to(device)
+    before = state.clone()
+    x = torch.randn(10, W, generator=g).to(device)
+    ape = torch.randn(8, D, generator=g).to(device)
+    plan = ref.pack_compress_plan([
+        (0xFFFFFFFF, 0, 0, -1, -1),        # sentinel
+        (12, 9, 3, 1000, -5),              # pages out of range: ring slots read the pad value
+        (8, 7, 0, -1, -1),                 # all slots from the input
+        (4, 65535, 0, -1, -1),             # ragged id out of range: pad everywhere (memory-safe)
+    ], device)
+    plan_w = ref.pack_write_plan([(0xFFFFFFFF, 3), (2, state.shape[0] - r), (3, -1), (12, 5), (1, 6),
+                                  (0xFFFF, 7)], device)
+    out = dsv4.compress_forward(state, x, ape, plan, plan_w, head_dim=D, compress_ratio=r, is_decode=False)
+    assert torch.all(out[0] == 0)
+    expected = before.clone()
+    expected[6] = x[1]
+    assert torch.equal(state, expected), "only the in-range write with an in-range ragged id lands"
+    # row 1: slots 0..2 pad (overlap slots 0..2 < buffer_len from page 1000), slot 3 input 9-4=5,
+    # current slots 4..7: slots < 3 none, so inputs 6..9.
+    hist = torch.zeros(8, W, dtype=torch.float64)
+    hist[:4, 2 * D:] = float("-inf")
+    hist[3] = x[5].double().cpu()
+    hist[4:] = x[6:10].double().cpu()
+    kv = torch.cat([hist[:4, :D], hist[4:, D:2 * D]])
+    s = torch.cat([hist[:4, 2 * D:3 * D], hist[4:, 3 * D:]]) + ape.double().cpu()
+    truth = (torch.softmax(s, 0) * torch.nan_to_num(kv)).sum(0)
+    torch.testing.assert_close(out[1].double().cpu(), truth, atol=2e-5, rtol=2e-5)
+    truth2 = ref.compress_entries_fp64(x[:8].cpu(), ape.cpu(), r, D)[1]
+    torch.testing.assert_close(out[2].double().cpu(), truth2, atol=2e-5, rtol=2e-5)
+    assert torch.all(torch.isfinite(out[3]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_plans_and_dim0_slice_state(device):
+    e = Engine(4, 128, 8, paged=False, device=device)
+    empty = dsv4.plan_compress_prefill(*(torch.tensor([v], device=device) for v in (1, 3, 0)), num_q_tokens=0,
+                                       **e.plan_kwargs())
+    out = dsv4.compress_forward(e.state, torch.zeros(0, e.W, device=device), e.ape.to(device), empty, head_dim=128)
+    assert out.shape == (0, 128)
+    pool = torch.zeros(100, e.W, device=device)
+    state = pool[10:10 + e.state.shape[0]]
+    state.copy_(e.state)
+    x = torch.randn(3, e.W, device=device)
+    plan = dsv4.plan_compress_decode(torch.tensor([1, 2, 3], device=device), torch.tensor([4, 5, 8], device=device),
+                                     **e.plan_kwargs())
+    out = dsv4.compress_forward(state, x, e.ape.to(device), plan, head_dim=128)
+    assert torch.equal(pool[10 + 1 * 8 + 3], x[0]) and torch.all(pool[:10] == 0)
+    assert out.shape == (3, 128) and torch.all(out[1] == 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pipeline: plan -> compress_forward -> compress_norm_rope_store -> dequantize_k_cache_paged
+
+
+def _reference_writer():
+    from sgl_dsv4_kernels.reference import writers as ref_writers
+
+    return ref_writers.compress_norm_rope_store
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_sequence_plan_compress_store_dequant(device, ratio):
+    """Several steps (prefill, decode across a boundary, extend) through the whole chain, against the
+    reference planner, compressor, writer and dequantizer."""
+    ref_store = _reference_writer()
+    D, ring, page = 512, (16 if ratio == 4 else 256), 64
+    layout = dsv4.KVLayout.V4
+    e = Engine(ratio, D, ring, paged=ratio == 4, num_requests=2, max_tokens=2048, device=device, seed=("seq", ratio))
+    table = dsv4.precompute_rope_table(64, 4096, 65536, 160000.0, 16.0, 32.0, 1.0)
+    weight = torch.randn(D, generator=gen("seq-w")).bfloat16()
+    num_slots = 64 * page
+    cache_ref = torch.zeros(num_slots // page, layout.page_bytes(page), dtype=torch.uint8)
+    cache = cache_ref.clone().to(device)
+    state_ref = e.state.cpu().clone()
+    slot_of = {}  # (rid, entry g) -> compressed-pool slot
+
+    def out_loc_for(rids, seq_lens, extends):
+        locs = []
+        for r, L, E in zip(rids, seq_lens, extends):
+            for p in range(L - E, L):
+                if (p + 1) % ratio == 0:
+                    slot_of[(r, p // ratio)] = 1 + len(slot_of) % (num_slots - 1)
+                    locs.append(slot_of[(r, p // ratio)])
+                else:
+                    locs.append(0)
+        return torch.tensor(locs, dtype=torch.int64)
+
+    steps = [("prefill", [300, 131])] + [("decode", None)] * (9 if ratio == 4 else 130) + [("extend", [7, 40])]
+    rids = [1, 2]
+    for kind, extends in steps:
+        if kind == "decode":
+            extends = [1, 1]
+        prefixes = [len(e.history[r]) for r in rids]
+        seq_lens = [p + x for p, x in zip(prefixes, extends)]
+        x = e.rows(sum(extends))
+        r_t, L_t, E_t = torch.tensor(rids), torch.tensor(seq_lens), torch.tensor(extends)
+        if kind == "decode":
+            plan = dsv4.plan_compress_decode(r_t.to(device), L_t.to(device), *e.tables(), **e.plan_kwargs())
+            plan_ref = ref.plan_compress_decode(r_t, L_t, e.req_to_token, e.full_to_swa, ratio, e.sps, ring,
+                                                not e.paged)
+            plan_w_ref = None
+            out_loc = torch.tensor([slot_of.setdefault((r, (L - 1) // ratio), 1 + len(slot_of) % (num_slots - 1))
+                                    if L % ratio == 0 else 0 for r, L in zip(rids, seq_lens)])
+        else:
+            plan = dsv4.plan_compress_prefill(r_t.to(device), L_t.to(device), E_t.to(device), *e.tables(),
+                                              num_q_tokens=sum(extends), **e.plan_kwargs())
+            plan_ref, plan_w_ref = ref.plan_compress_prefill(r_t, L_t, E_t, e.req_to_token, e.full_to_swa,
+                                                             sum(extends), ratio, e.sps, ring, not e.paged,
+                                                             device == "cuda")
+            out_loc = out_loc_for(rids, seq_lens, extends)
+        assert torch.equal(plan.plan.cpu(), plan_ref)
+        out = dsv4.compress_forward(e.state, x.to(device), e.ape.to(device), plan, head_dim=D)
+        out_ref = ref.compress_forward(state_ref, x, e.ape, plan_ref, plan_w_ref, D, ratio, kind == "decode")
+        assert torch.equal(e.state.cpu(), state_ref)
+        torch.testing.assert_close(out.cpu(), out_ref, atol=2e-5, rtol=2e-5)
+        dsv4.compress_norm_rope_store(out, plan, norm_weight=weight.to(device), norm_eps=1e-6,
+                                      freq_cis=table.to(device), out_loc=out_loc.to(device), kvcache=cache,
+                                      page_size=page, layout=layout)
+        # The writer's contract on the op's own rows is byte-exact.
+        ref_store(out.cpu(), plan_ref, norm_weight=weight, norm_eps=1e-6, freq_cis=table, out_loc=out_loc,
+                  kvcache=cache_ref, page_size=page, layout=int(layout), compress_ratio=ratio,
+                  is_decode=kind == "decode")
+        assert torch.equal(cache.cpu(), cache_ref), f"{kind}: cache bytes differ from the reference writer"
+        for r, x_rows in zip(rids, torch.split(x, extends)):
+            e.history[r] = torch.cat([e.history[r], x_rows])
+    slots = torch.tensor(sorted(set(slot_of.values())))
+    deq = dsv4.dequantize_k_cache_paged(cache, slots.to(device), page, layout=layout).cpu()
+    deq_ref = ref.dequantize_k_cache(cache_ref, page, int(layout)).reshape(-1, 512)[slots]
+    assert torch.equal(deq.view(-1, 512).view(torch.int16), deq_ref.view(torch.int16))
+    assert torch.all(torch.isfinite(deq.float()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _args(device="cpu", ratio=4, D=128, state_dtype=torch.float32, is_decode=True):
+    W = width_of(ratio, D)
+    state = dsv4.alloc_compress_state(ratio, D, 2, 8 if ratio == 4 else 128, state_dtype, device)
+    x = torch.zeros(3, W, device=device)
+    ape = torch.zeros(8 if ratio == 4 else 128, D, device=device)
+    plan = torch.zeros(3, 16, dtype=torch.uint8, device=device)
+    plan_w = None if is_decode else torch.zeros(5, 8, dtype=torch.uint8, device=device)
+    return dict(state=state, kv_score_input=x, ape=ape, plan=plan, plan_w=plan_w, head_dim=D, compress_ratio=ratio,
+                is_decode=is_decode)
+
+
+def _call(a):
+    return torch.ops.dsv4.compress_forward(a["state"], a["kv_score_input"], a["ape"], a["plan"], a["plan_w"],
+                                           a["head_dim"], a["compress_ratio"], a["is_decode"])
+
+
+BAD = [
+    ("ratio", lambda a: a.update(compress_ratio=2), "compress_ratio"),
+    ("head_dim_c128", lambda a: a.update(compress_ratio=128, ape=torch.zeros(128, 128)), "head_dim"),
+    ("state_dtype", lambda a: a.update(state=a["state"].half()), "state"),
+    ("state_width", lambda a: a.update(state=a["state"][:, :256]), "state"),
+    ("state_rows", lambda a: a.update(state=a["state"][:-1]), "state"),
+    ("state_noncontig", lambda a: a.update(state=torch.zeros(20, 1024)[:, ::2]), "state"),
+    ("input_width", lambda a: a.update(kv_score_input=torch.zeros(3, 256)), "kv_score_input"),
+    ("input_stride", lambda a: a.update(kv_score_input=torch.zeros(3, 1024)[:, ::2]), "kv_score_input"),
+    ("input_dtype", lambda a: a.update(kv_score_input=torch.zeros(3, 512, dtype=torch.float16)), "kv_score_input"),
+    ("ape_shape", lambda a: a.update(ape=torch.zeros(4, 128)), "ape"),
+    ("ape_dtype", lambda a: a.update(ape=torch.zeros(8, 128, dtype=torch.bfloat16)), "ape"),
+    ("plan_width", lambda a: a.update(plan=torch.zeros(3, 8, dtype=torch.uint8)), "plan"),
+    ("plan_dtype", lambda a: a.update(plan=torch.zeros(3, 4, dtype=torch.int32)), "plan"),
+    ("decode_rows", lambda a: a.update(plan=torch.zeros(4, 16, dtype=torch.uint8)), "kv_score_input"),
+    ("decode_plan_w", lambda a: a.update(plan_w=torch.zeros(1, 8, dtype=torch.uint8)), "plan_w"),
+    ("prefill_no_plan_w", lambda a: a.update(is_decode=False), "plan_w"),
+    ("plan_w_width", lambda a: a.update(is_decode=False, plan_w=torch.zeros(2, 16, dtype=torch.uint8)), "plan_w"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,arg", BAD, ids=[b[0] for b in BAD])
+def test_validation_names_op_and_argument(name, mutate, arg):
+    a = _args()
+    mutate(a)
+    with pytest.raises(RuntimeError, match=rf"compress_forward: .*{arg}"):
+        _call(a)
+    with torch._subclasses.fake_tensor.FakeTensorMode(), pytest.raises(RuntimeError, match="compress_forward"):
+        fa = {k: (torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) if isinstance(v, torch.Tensor) else v)
+              for k, v in a.items()}
+        _call(fa)
+
+
+def test_unaligned_plan_rejected():
+    a = _args()
+    buf = torch.zeros(3 * 16 + 8, dtype=torch.uint8)
+    a["plan"] = buf[8:].view(3, 16)
+    with pytest.raises(RuntimeError, match="compress_forward: plan data pointer must be 16-byte aligned"):
+        _call(a)
+
+
+def test_wrapper_rules():
+    a = _args()
+    plan = dsv4.CompressPlan(a["plan"], None, 4, True)
+    out = dsv4.compress_forward(a["state"], a["kv_score_input"], a["ape"], plan, head_dim=128)
+    assert out.shape == (3, 128)
+    with pytest.raises(ValueError, match="contradicts"):
+        dsv4.compress_forward(a["state"], a["kv_score_input"], a["ape"], plan, head_dim=128, compress_ratio=128)
+    with pytest.raises(TypeError, match="explicit"):
+        dsv4.compress_forward(a["state"], a["kv_score_input"], a["ape"], a["plan"], head_dim=128)
+    with pytest.raises(Exception):
+        plan.plan = None  # frozen
+
+
+def test_state_utilities():
+    s = dsv4.alloc_compress_state(4, 128, 3, 16, torch.bfloat16)
+    assert s.shape == (3 * 16 + 4, 512) and s.dtype == torch.bfloat16
+    assert torch.all(s[-4:, :256] == 0) and torch.all(s[-4:, 256:] == float("-inf")) and torch.all(s[:-4] == 0)
+    s = dsv4.alloc_compress_state(128, 512, 2, 256)
+    assert s.shape == (2 * 256 + 128, 1024)
+    assert torch.all(s[-128:, 512:] == float("-inf")) and torch.all(s[-128:, :512] == 0)
+    ckpt = torch.randn(4, 256)
+    a = dsv4.ape_for_kernel(ckpt)
+    assert a.shape == (8, 128) and torch.equal(a[:4], ckpt[:, :128]) and torch.equal(a[4:], ckpt[:, 128:])
+    assert dsv4.ape_for_kernel(torch.randn(128, 512).bfloat16()).dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------------
+# opcheck, torch.compile
+
+
+def _opcheck_case(device, ratio, is_decode):
+    D, ring = (128, 8) if ratio == 4 else (512, 128)
+    e = Engine(ratio, D, ring, paged=False, num_requests=3, device=device, seed=("opcheck", ratio, is_decode))
+    e.extend([1, 2], [9, 130])
+    rids = torch.tensor([1, 2, 3], device=device)
+    if is_decode:
+        plan = dsv4.plan_compress_decode(rids, torch.tensor([12, 131, 1], device=device), **e.plan_kwargs())
+        x = e.rows(3).to(device)
+    else:
+        plan = dsv4.plan_compress_prefill(rids, torch.tensor([12, 140, 4], device=device),
+                                          torch.tensor([3, 10, 4], device=device), num_q_tokens=17,
+                                          use_cuda_graph=True, **e.plan_kwargs())
+        x = e.rows(17).to(device)
+    return e, x, plan
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
+def test_opcheck(device, ratio, is_decode):
+    e, x, plan = _opcheck_case(device, ratio, is_decode)
+    torch.library.opcheck(torch.ops.dsv4.compress_forward.default,
+                          (e.state, x, e.ape.to(device), plan.plan, plan.plan_w, e.D, ratio, is_decode))
+
+
+def _assert_no_state_copy(code: str):
+    found = re.findall(r"\bclone\(|\bcopy_\(|empty_strided\w*\(", code)
+    assert not found, f"compiled code copies the state ({found}):\n{code}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("as_slice", [False, True], ids=["base", "slice"])
+def test_compile_without_state_clone(device, as_slice):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    e, x, plan = _opcheck_case(device, 4, True)
+    ape = e.ape.to(device)
+    rows = e.state.shape[0]
+    pool = torch.zeros(rows + 16, e.W, device=device)
+    pool[8:8 + rows] = e.state
+
+    def step(x, plan, pool):
+        state = pool[8:8 + rows] if as_slice else pool
+        return dsv4.compress_forward(state, x, ape, plan, head_dim=e.D, compress_ratio=4, is_decode=True)
+
+    if not as_slice:
+        pool = e.state.clone()
+    expected_pool = pool.clone()
+    expected = step(x, plan.plan, expected_pool)
+    compiled = torch.compile(step, fullgraph=True)
+    got, codes = run_and_get_code(compiled, x, plan.plan, pool)
+    _assert_no_state_copy("\n".join(codes))
+    assert torch.equal(pool, expected_pool)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_plan_and_compress_chain(device):
+    """Planner + compressor in one fullgraph; the GPU-input / graph-padded plan shapes are static."""
+    torch._dynamo.reset()
+    e = Engine(128, 512, 256, paged=False, num_requests=2, device=device, seed=("compile-chain",))
+    e.extend([1, 2], [127, 250])
+    ape = e.ape.to(device)
+
+    def step(rids, L, E, x, state):
+        plan_c, plan_w = torch.ops.dsv4.plan_compress_prefill(rids, L, E, None, None, 8, 128, 0, 256, True, True)
+        return torch.ops.dsv4.compress_forward(state, x, ape, plan_c, plan_w, 512, 128, False)
+
+    rids, L, E = (torch.tensor(v, device=device) for v in ([1, 2], [131, 256], [4, 4]))
+    x = e.rows(8).to(device)
+    expected_state = e.state.clone()
+    expected = step(rids, L, E, x, expected_state)
+    got = torch.compile(step, fullgraph=True)(rids, L, E, x, e.state)
+    assert torch.equal(e.state, expected_state) and torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA graphs, PDL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_cuda_graph_replay_decode_and_gpu_prefill(ratio):
+    """Capture decode planning + compress_forward and GPU-path prefill planning + compress_forward once,
+    refill the static inputs (with seq_len-1 dummy rows of rid 0 and E = 0 rows), replay, compare with eager."""
+    D, ring = (512, 16) if ratio == 4 else (512, 256)
+    e = Engine(ratio, D, ring, paged=ratio == 4, num_requests=4, max_tokens=2048, device="cuda",
+               seed=("graph", ratio))
+    e.extend([1, 2, 3, 4], [50, 127, 255, 300])
+    r2t, f2s = e.tables()
+    kw = e.plan_kwargs()
+    B, nq = 6, 24
+    rids = torch.zeros(B, dtype=torch.int64, device="cuda")
+    seq = torch.ones(B, dtype=torch.int64, device="cuda")
+    ext = torch.zeros(B, dtype=torch.int64, device="cuda")
+    xd = torch.zeros(B, e.W, device="cuda")
+    xp = torch.zeros(nq, e.W, device="cuda")
+    ape = e.ape.cuda()
+    plan_c = torch.empty(nq, 16, dtype=torch.uint8, device="cuda")
+    plan_w = torch.empty(nq, 8, dtype=torch.uint8, device="cuda")
+    plan_d = torch.empty(B, 16, dtype=torch.uint8, device="cuda")
+    outs = {}
+
+    def calls(state):
+        dsv4.plan_compress_decode(rids, seq, r2t, f2s, out=plan_d, **kw)
+        outs["d"] = dsv4.compress_forward(state, xd, ape, plan_d, head_dim=D, compress_ratio=ratio, is_decode=True)
+        p = dsv4.plan_compress_prefill(rids, seq + ext, ext, r2t, f2s, num_q_tokens=nq, out=(plan_c, plan_w), **kw)
+        outs["p"] = dsv4.compress_forward(state, xp, ape, p, head_dim=D)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls(e.state.clone())
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls(e.state)
+    g = gen("graph-refill", ratio)
+    for trial in range(5):
+        lens = [len(e.history[r]) for r in (1, 2, 3, 4)]
+        rids.copy_(torch.tensor([1, 0, 2, 3, 0, 4]))
+        seq.copy_(torch.tensor([lens[0] + 1 + trial, 1, lens[1] + 1 + trial, lens[2] + 1 + trial, 1,
+                                lens[3] + 1 + trial]))
+        ext.copy_(torch.tensor([3, 0, 5, 1, 1, 4]))
+        xd.copy_(torch.randn(B, e.W, generator=g))
+        xp.copy_(torch.randn(nq, e.W, generator=g))
+        state_eager = e.state.clone()
+        calls(state_eager)
+        eager = {k: v.clone() for k, v in outs.items()}
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == allocated
+        assert torch.equal(outs["d"], eager["d"]) and torch.equal(outs["p"], eager["p"])
+        assert torch.equal(e.state[ring:], state_eager[ring:]), "state outside owner 0"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_host_path_raises_under_capture():
+    rids = torch.tensor([1], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with pytest.raises(RuntimeError, match="capture"):
+            with torch.cuda.graph(graph):
+                dsv4.plan_compress_prefill(rids, torch.tensor([5]), torch.tensor([5]), num_q_tokens=5,
+                                           compress_ratio=128, ring_size=128, use_req_ring=True)
+
+
+_PDL_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, sys.argv[2])
+    from compress_cases import Engine
+    import sgl_dsv4_kernels as dsv4
+    out = {}
+    for ratio, ring, paged in ((4, 8, True), (4, 16, False), (128, 128, False), (128, 256, False)):
+        e = Engine(ratio, 512, ring, paged=paged, num_requests=3, max_tokens=1024, device="cuda",
+                   seed=("pdl", ratio, ring))
+        r2t, f2s = e.tables()
+        kw = e.plan_kwargs()
+        g = torch.Generator().manual_seed(ratio + ring)
+        outs = []
+        # c4 extend at prefix 5, E 7 (ring 8): writes of positions 8..11 alias the ring rows of 0..3,
+        # which the emission at p = 7 reads (compress before write).
+        calls = [([1, 2, 3], [5, 130, 1], [5, 130, 1]), ([1, 2, 3], [12, 200, 9], [7, 70, 8])]
+        calls += [([1, 2, 3, 0], [12 + k + 1, 200 + k + 1, 9 + k + 1, 1], None) for k in range(140)]
+        for rids, L, E in calls:
+            rids_t = torch.tensor(rids, device="cuda")
+            L_t = torch.tensor(L, device="cuda")
+            if E is None:
+                plan = dsv4.plan_compress_decode(rids_t, L_t, r2t, f2s, **kw)
+                x = torch.randn(len(rids), e.W, generator=g).cuda()
+            else:
+                E_t = torch.tensor(E, device="cuda")
+                plan = dsv4.plan_compress_prefill(rids_t, L_t, E_t, r2t, f2s, num_q_tokens=sum(E), **kw)
+                x = torch.randn(sum(E), e.W, generator=g).cuda()
+            outs.append((plan.plan.cpu(), None if plan.plan_w is None else plan.plan_w.cpu(),
+                         dsv4.compress_forward(e.state, x, e.ape.cuda(), plan, head_dim=512).cpu()))
+        out[(ratio, ring)] = (outs, e.state[ring:].cpu())
+    torch.save(out, sys.argv[1])
+""")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_pdl_on_and_off_give_identical_bytes(tmp_path):
+    results = []
+    for pdl in ("0", "1"):
+        path = tmp_path / f"pdl{pdl}.pt"
+        env = dict(os.environ, SGL_DSV4_PDL=pdl)
+        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        subprocess.run([sys.executable, "-c", _PDL_SCRIPT, str(path), os.path.dirname(os.path.abspath(__file__))],
+                       env=env, check=True, timeout=600)
+        results.append(torch.load(path))
+    off, on = results
+    for key in off:
+        (outs_off, state_off), (outs_on, state_on) = off[key], on[key]
+        assert torch.equal(state_off, state_on), key
+        for a, b in zip(outs_off, outs_on):
+            for u, v in zip(a, b):
+                assert (u is None and v is None) or torch.equal(u, v), key

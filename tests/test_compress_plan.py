@@ -1,0 +1,581 @@
+"""Tests of the c4/c128 planners (compressors.md §2-3, §8.2): hand pins, the reference planner, equal bytes
+on every path, ring residency under speculation, write sets, uint16 / batch bounds, sentinels, invalid
+lookups, validation, opcheck, compile and the ring utilities."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sgl_dsv4_kernels as dsv4
+from sgl_dsv4_kernels import reference as ref
+
+from compress_cases import CUDA_MARKS, DEVICES, HAS_CUDA, Engine, capacity, gen, width_of
+
+INVALID = 0xFFFFFFFF
+
+
+def cuda_only(fn):
+    for mark in CUDA_MARKS:
+        fn = mark(fn)
+    return fn
+
+
+def rows_of(plan_tensor, kind):
+    f = ref.unpack_plan(plan_tensor, kind)
+    return f
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ring utilities (§2.1)
+
+
+def test_state_ring_size_and_capacity():
+    assert [dsv4.state_ring_size(4, d) for d in (0, 1, 2, 5, 10, 11, 26, 27)] == [8, 8, 16, 16, 16, 32, 32, 64]
+    assert [dsv4.state_ring_size(128, d) for d in (0, 1, 2, 130, 131)] == [128, 128, 256, 256, 512]
+    assert [dsv4.state_ring_size(2, d) for d in (0, 1, 2, 5, 9)] == [2, 2, 4, 8, 16]
+    for ratio, d in [(4, 2), (4, 10), (4, 11), (128, 2), (128, 130), (128, 200)]:
+        ring = dsv4.state_ring_size(ratio, d)
+        dsv4.check_ring_serves_draft_tokens(ratio, ring, d)  # a ring sized for D_v serves it
+    assert capacity(4, 8) == 1 and capacity(4, 16) == 10 and capacity(128, 128) == 1 and capacity(128, 256) == 130
+
+
+def test_check_ring_serves_draft_tokens_message():
+    dsv4.check_ring_serves_draft_tokens(4, 16, 6)
+    dsv4.check_ring_serves_draft_tokens(4, 16, 10)
+    with pytest.raises(ValueError, match=r"^ratio-4 state ring of 16 rows serves at most 10 draft tokens; grow the ring$"):
+        dsv4.check_ring_serves_draft_tokens(4, 16, 11)
+    dsv4.check_ring_serves_draft_tokens(128, 128, 1)
+    with pytest.raises(ValueError, match=r"^ratio-128 state ring of 128 rows serves at most 1 draft tokens; grow the ring$"):
+        dsv4.check_ring_serves_draft_tokens(128, 128, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hand-checked plans
+
+
+# Request ring, rid 2: c4 ring 8 -> slot 16 + p % 8; c128 ring 128 -> slot 256 + p % 128.
+DECODE_PINS = {
+    4: {1: (1, 16, -1, 4), 4: (4, 19, -1, 4), 5: (5, 20, -1, 5), 8: (8, 23, 4, 5), 9: (9, 16, 5, 4),
+        128: (128, 23, 4, 5), 129: (129, 16, 5, 4)},
+    128: {1: (1, 256, -1, 2), 4: (4, 259, -1, 2), 5: (5, 260, -1, 2), 8: (8, 263, -1, 2), 9: (9, 264, -1, 2),
+          128: (128, 383, -1, 2), 129: (129, 256, -1, 2)},
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_decode_plan_hand_checked(device, ratio):
+    ring = 8 if ratio == 4 else 128
+    lens = [1, 4, 5, 8, 9, 128, 129, 0, -3]
+    want = ref.pack_decode_plan([DECODE_PINS[ratio][L] for L in lens[:7]] + [(INVALID, -1, -1, -1)] * 2)
+    rids = torch.full((len(lens),), 2, dtype=torch.int32)
+    L = torch.tensor(lens, dtype=torch.int64)
+    got = dsv4.plan_compress_decode(rids.to(device), L.to(device), compress_ratio=ratio, ring_size=ring,
+                                    use_req_ring=True)
+    assert got.is_decode and got.plan_w is None and got.compress_ratio == ratio
+    assert torch.equal(got.plan.cpu(), want)
+    assert torch.equal(ref.plan_compress_decode(rids, L, None, None, ratio, 0, ring, True), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_plan_hand_checked(device):
+    """c4, request ring 8, rid 1, a 10-token prefill: entries at p = 3 (buffer_len 4: its masked overlap
+    slots lie before the prefix) and p = 7; writes from first_w = min(8 - 4, 10) = 4 on."""
+    want_c = ref.pack_compress_plan([(4, 3, 4, -1, 2), (8, 7, 0, -1, -1)])
+    want_w = ref.pack_write_plan([(4, 12), (5, 13), (6, 14), (7, 15), (8, 8), (9, 9)])
+    args = [torch.tensor([1]), torch.tensor([10]), torch.tensor([10])]
+    got = dsv4.plan_compress_prefill(*(a.to(device) for a in args), num_q_tokens=10, compress_ratio=4, ring_size=8,
+                                     use_req_ring=True, use_cuda_graph=True)
+    f = ref.unpack_plan(got.plan, "compress")
+    assert torch.equal(got.plan[:2].cpu(), want_c) and not f["valid"][2:].any()
+    assert torch.all(got.plan[2:].cpu().view(torch.int32) == torch.tensor([-1, 0, -1, -1], dtype=torch.int32))
+    assert torch.equal(got.plan_w[:6].cpu(), want_w)
+    assert torch.all(got.plan_w[6:].cpu().view(torch.int32) == -1)
+    rc, rw = ref.plan_compress_prefill(*args, None, None, 10, 4, 0, 8, True, False)
+    assert torch.equal(rc, want_c) and torch.equal(rw, want_w)
+    # stage 0 of the reference: packed (batch, ragged) words and p + 1
+    s0c, s0w = ref.plan_compress_prefill(*args, None, None, 10, 4, 0, 8, True, False, final=False)
+    assert ref.unpack_plan(s0c, "compress")["read_page_1"].tolist() == [0, 0]
+    assert ref.unpack_plan(s0w, "write")["write_loc"].tolist() == [5, 6, 7, 8, 9, 10]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random batches: every path gives the reference bytes
+
+
+def random_case(B, ratio, ring, paged, seed, sps=256, max_len=3000, max_extend=24, invalid_lookups=True,
+                num_q_slack=7):
+    g = gen("random-plan", B, ratio, ring, paged, seed)
+    R, T, F = max(B + 3, 8), max_len + 64, 50000
+    L = torch.randint(1, max_len, (B,), generator=g)
+    E = torch.minimum(torch.randint(0, max_extend, (B,), generator=g), L)
+    E[torch.rand(B, generator=g) < 0.1] = 0
+    rids = torch.randint(1, R, (B,), generator=g)
+    r2t = torch.randint(0, F, (R, T), generator=g, dtype=torch.int64)
+    f2s = torch.randint(0, 1 << 20, (F,), generator=g, dtype=torch.int64)
+    if invalid_lookups:
+        r2t.view(-1)[torch.randint(0, r2t.numel(), (r2t.numel() // 50,), generator=g)] = -1
+        f2s[torch.randint(0, F, (F // 50,), generator=g)] = -7
+        rids[torch.rand(B, generator=g) < 0.05] = R + 3  # out of the table
+    nq = int(E.sum()) + num_q_slack
+    kw = dict(compress_ratio=ratio, swa_page_size=sps if paged else 0, ring_size=ring, use_req_ring=not paged)
+    return dict(rids=rids, L=L.int(), E=E, r2t=r2t.int(), f2s=f2s, nq=nq, kw=kw)
+
+
+def ref_plans(c, use_cuda_graph):
+    kw = c["kw"]
+    return ref.plan_compress_prefill(c["rids"], c["L"], c["E"], c["r2t"], c["f2s"], c["nq"], kw["compress_ratio"],
+                                     kw["swa_page_size"], kw["ring_size"], kw["use_req_ring"], use_cuda_graph)
+
+
+CONFIGS = [(4, 8, True), (4, 16, True), (4, 16, False), (128, 128, False), (128, 256, False)]
+CONFIG_IDS = ["c4-ring8-paged", "c4-ring16-paged", "c4-ring16-reqring", "c128-ring128", "c128-ring256"]
+
+
+@pytest.mark.parametrize("B", [1, 7, 1025, 3000])
+@pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
+def test_cpu_planners_match_reference(B, ratio, ring, paged):
+    c = random_case(B, ratio, ring, paged, "cpu", max_extend=24 if B < 1000 else 6)
+    for use_cuda_graph in (False, True):
+        rc, rw = ref_plans(c, use_cuda_graph)
+        got = dsv4.plan_compress_prefill(c["rids"], c["L"], c["E"], c["r2t"], c["f2s"], num_q_tokens=c["nq"],
+                                         use_cuda_graph=use_cuda_graph, **c["kw"])
+        assert torch.equal(got.plan, rc) and torch.equal(got.plan_w, rw)
+    # _out on CPU: the padded plans, every row rewritten
+    pc = torch.full((c["nq"], 16), 0x5A, dtype=torch.uint8)
+    pw = torch.full((c["nq"], 8), 0x5A, dtype=torch.uint8)
+    dsv4.plan_compress_prefill(c["rids"], c["L"], c["E"], c["r2t"], c["f2s"], num_q_tokens=c["nq"], out=(pc, pw),
+                               **c["kw"])
+    assert torch.equal(pc, rc) and torch.equal(pw, rw)
+    d = dsv4.plan_compress_decode(c["rids"], c["L"], c["r2t"], c["f2s"], **c["kw"]).plan
+    assert torch.equal(d, ref.plan_compress_decode(c["rids"], c["L"], c["r2t"], c["f2s"], ratio,
+                                                   c["kw"]["swa_page_size"], ring, not paged))
+
+
+@cuda_only
+@pytest.mark.parametrize("B", [1, 7, 1025, 3000])
+@pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
+def test_every_path_gives_the_same_bytes(B, ratio, ring, paged):
+    """CPU op, host-input path, GPU-input path and both _out variants; the decode planner on CPU and CUDA."""
+    c = random_case(B, ratio, ring, paged, "gpu", max_extend=24 if B < 1000 else 6)
+    rc, rw = ref_plans(c, True)
+    n_c = int(ref.unpack_plan(rc, "compress")["valid"].sum())
+    n_w = int(ref.unpack_plan(rw, "write")["valid"].sum())
+    cu = {k: c[k].cuda() for k in ("rids", "L", "E", "r2t", "f2s")}
+    common = dict(num_q_tokens=c["nq"], **c["kw"])
+    # (c) GPU-input path: always num_q_tokens rows
+    for flag in (False, True):
+        p = dsv4.plan_compress_prefill(cu["rids"], cu["L"], cu["E"], cu["r2t"], cu["f2s"], use_cuda_graph=flag,
+                                       **common)
+        assert torch.equal(p.plan.cpu(), rc) and torch.equal(p.plan_w.cpu(), rw)
+    # (b) host-input path: compact, or padded with use_cuda_graph
+    p = dsv4.plan_compress_prefill(cu["rids"], c["L"], c["E"], cu["r2t"], cu["f2s"], **common)
+    assert p.plan.is_cuda and torch.equal(p.plan.cpu(), rc[:n_c]) and torch.equal(p.plan_w.cpu(), rw[:n_w])
+    p = dsv4.plan_compress_prefill(cu["rids"], c["L"], c["E"], cu["r2t"], cu["f2s"], use_cuda_graph=True, **common)
+    assert torch.equal(p.plan.cpu(), rc) and torch.equal(p.plan_w.cpu(), rw)
+    # _out on CUDA over garbage buffers: every row rewritten
+    pc = torch.full((c["nq"], 16), 0x5A, dtype=torch.uint8, device="cuda")
+    pw = torch.full((c["nq"], 8), 0x5A, dtype=torch.uint8, device="cuda")
+    dsv4.plan_compress_prefill(cu["rids"], cu["L"], cu["E"], cu["r2t"], cu["f2s"], out=(pc, pw), **common)
+    assert torch.equal(pc.cpu(), rc) and torch.equal(pw.cpu(), rw)
+    # decode: CPU == CUDA == _out
+    d_cpu = dsv4.plan_compress_decode(c["rids"], c["L"], c["r2t"], c["f2s"], **c["kw"]).plan
+    d_gpu = dsv4.plan_compress_decode(cu["rids"], cu["L"], cu["r2t"], cu["f2s"], **c["kw"]).plan
+    d_out = torch.full((B, 16), 0x5A, dtype=torch.uint8, device="cuda")
+    dsv4.plan_compress_decode(cu["rids"], cu["L"], cu["r2t"], cu["f2s"], out=d_out, **c["kw"])
+    assert torch.equal(d_cpu, d_gpu.cpu()) and torch.equal(d_cpu, d_out.cpu())
+
+
+@cuda_only
+@pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
+def test_gpu_path_out_of_envelope_inputs_stay_in_bounds(ratio, ring, paged):
+    """The GPU path reads no values: negative E counts as 0, tokens at p < 0 or with ragged id >=
+    num_q_tokens emit nothing (an underfilled replay cannot overrun), as the §3.3 loop says."""
+    c = random_case(300, ratio, ring, paged, "envelope", num_q_slack=0)
+    g = gen("envelope")
+    c["E"][torch.rand(300, generator=g) < 0.1] = -5
+    over = torch.rand(300, generator=g) < 0.1
+    c["E"][over] = c["L"][over].long() + 3  # p < 0 for the first tokens
+    c["nq"] = max(1, int(c["E"].clamp_min(0).sum()) // 2)  # underfilled
+    rc, rw = ref_plans(c, True)
+    cu = {k: c[k].cuda() for k in ("rids", "L", "E", "r2t", "f2s")}
+    p = dsv4.plan_compress_prefill(cu["rids"], cu["L"], cu["E"], cu["r2t"], cu["f2s"], num_q_tokens=c["nq"], **c["kw"])
+    assert torch.equal(p.plan.cpu(), rc) and torch.equal(p.plan_w.cpu(), rw)
+
+
+def test_no_duplicate_write_loc_outside_owner0():
+    """Requests owning distinct pages / slots: no two valid writes of one call share a row."""
+    for ratio, ring, paged, draft in [(4, 16, True, 10), (4, 8, False, 1), (128, 256, False, 130), (128, 128, False, 1)]:
+        e = Engine(ratio, 128 if ratio == 4 else 512, ring, paged=paged, num_requests=6, max_tokens=3000)
+        g = gen("dup", ratio, ring)
+        L = torch.randint(draft + 1, 2900, (6,), generator=g)
+        for E in (L.clone(), torch.full((6,), draft)):
+            p = dsv4.plan_compress_prefill(torch.arange(1, 7), L, E, *e.tables(), num_q_tokens=int(E.sum()),
+                                           **e.plan_kwargs())
+            w = ref.unpack_plan(p.plan_w, "write")
+            locs = w["write_loc"][w["valid"]].tolist()
+            assert len(locs) == len(set(locs)) and min(locs) >= ring
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Write sets (§3.3, §3.5)
+
+
+def write_positions(plan, rids, seq_lens, extend_lens):
+    """{batch index: sorted written positions} from the valid WritePlan rows."""
+    w = ref.unpack_plan(plan.plan_w, "write")
+    offsets = torch.cumsum(torch.tensor([0] + list(extend_lens)), 0).tolist()
+    out = {b: [] for b in range(len(rids))}
+    for q, valid in zip(w["ragged_id"].tolist(), w["valid"].tolist()):
+        if not valid:
+            continue
+        b = max(i for i in range(len(rids)) if offsets[i] <= q and extend_lens[i] > 0 and q < offsets[i + 1])
+        out[b].append(seq_lens[b] - extend_lens[b] + q - offsets[b])
+    return out
+
+
+def planner_call(device, e, rids, seq_lens, extend_lens, path="gpu"):
+    r2t, f2s = e.tables()
+    rid_t = torch.tensor(rids).to(device)
+    if device == "cuda" and path == "host":
+        L_t, E_t = torch.tensor(seq_lens), torch.tensor(extend_lens)
+    else:
+        L_t, E_t = torch.tensor(seq_lens).to(device), torch.tensor(extend_lens).to(device)
+    return dsv4.plan_compress_prefill(rid_t, L_t, E_t, r2t, f2s, num_q_tokens=sum(extend_lens), **e.plan_kwargs())
+
+
+RESIDENCY = [(4, 16, True), (4, 16, False), (128, 256, False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio,ring,paged", RESIDENCY, ids=["c4-paged", "c4-reqring", "c128"])
+@pytest.mark.parametrize("bs", [1, 3])
+def test_ring_residency_under_speculation(device, ratio, ring, paged, bs):
+    """Every verify writes all of [prefix, prefix + D_v) for D_v up to capacity, including D_v > 4
+    (the historical bug: a pad hard-coded for 4 drafts)."""
+    e = Engine(ratio, 128 if ratio == 4 else 512, ring, paged=paged, num_requests=3, max_tokens=1024, device=device)
+    max_d = capacity(ratio, ring)
+    drafts = sorted({1, 2, 3, 4, 5, 6, 8, max_d - 1, max_d})
+    prefixes = list(range(512, 516)) + (list(range(253, 260)) if (ratio == 4 and paged) else [])
+    for prefix in prefixes:
+        for d in drafts:
+            rids = [1, 2, 3][:bs]
+            pre = [prefix + i for i in range(bs)]
+            plan = planner_call(device, e, rids, [p + d for p in pre], [d] * bs)
+            written = write_positions(plan, rids, [p + d for p in pre], [d] * bs)
+            for b in range(bs):
+                missing = set(range(pre[b], pre[b] + d)) - set(written[b])
+                assert not missing, f"prefix {pre[b]} D_v {d}: positions {sorted(missing)} unwritten"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio,ring,paged", [(4, 8, True), (4, 8, False), (128, 128, False)],
+                         ids=["c4-paged256", "c4-reqring", "c128"])
+def test_plain_prefill_write_set(device, ratio, ring, paged):
+    e = Engine(ratio, 128 if ratio == 4 else 512, ring, paged=paged, sps=256, num_requests=3, max_tokens=1024,
+               device=device)
+    lens = [512, 600, 777]
+    written = write_positions(planner_call(device, e, [1, 2, 3], lens, lens), [1, 2, 3], lens, lens)
+    for b, L in enumerate(lens):
+        last_c = (L // ratio) * ratio
+        want = {p for p in range(L) if p >= last_c - (4 if ratio == 4 else 0)}
+        if ratio == 4 and paged:
+            want |= {p for p in range(L) if p % 256 >= 252}
+        assert written[b] == sorted(want), f"L={L}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio,ring", [(4, 16), (128, 256)])
+def test_over_capacity_verify_under_writes(device, ratio, ring):
+    e = Engine(ratio, 128 if ratio == 4 else 512, ring, paged=False, num_requests=1, max_tokens=2048, device=device)
+    d = capacity(ratio, ring) + ratio + 1
+    with pytest.raises(ValueError, match="grow the ring"):
+        dsv4.check_ring_serves_draft_tokens(ratio, ring, d)
+    written = write_positions(planner_call(device, e, [1], [512 + d], [d]), [1], [512 + d], [d])[0]
+    assert set(range(512, 512 + d)) - set(written), "an over-capacity verify must leave a position unwritten"
+
+
+def test_c128_ring128_verify_reads_an_unwritten_row():
+    """Why ring 128 serves no verify: D_v = 2 at prefix 254 writes nothing (first_w = 256); after
+    accepting 1, the next verify from 255 reads position 254 from the ring (buffer_len 127)."""
+    kw = dict(compress_ratio=128, ring_size=128, use_req_ring=True)
+    first = dsv4.plan_compress_prefill(torch.tensor([1]), torch.tensor([256]), torch.tensor([2]), num_q_tokens=2, **kw)
+    assert first.plan_w.shape[0] == 0, "positions 254 and 255 are not written"
+    second = dsv4.plan_compress_prefill(torch.tensor([1]), torch.tensor([257]), torch.tensor([2]), num_q_tokens=2,
+                                        **kw)
+    c = ref.unpack_plan(second.plan, "compress")
+    assert c["seq_len"].tolist() == [256] and c["buffer_len"].tolist() == [127]  # slot 126 = position 254
+
+
+# ---------------------------------------------------------------------------------------------------------
+# uint16 / batch bounds and sentinels (§3.7, §8.2)
+
+
+def paths(device):
+    return ["gpu", "host"] if device == "cuda" else ["cpu"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio,paged", [(4, True), (4, False), (128, False)], ids=["c4-paged", "c4-reqring", "c128"])
+def test_65536_tokens_accepted(device, ratio, paged):
+    ring = 8 if ratio == 4 else 128
+    e = Engine(ratio, 128 if ratio == 4 else 512, ring, paged=paged, num_requests=16, max_tokens=4096, device=device)
+    rids = list(range(1, 17))
+    for path in paths(device):
+        plan = planner_call(device, e, rids, [4096] * 16, [4096] * 16, path)
+        c = ref.unpack_plan(plan.plan, "compress")
+        assert sorted(c["ragged_id"][c["valid"]].tolist()) == list(range(ratio - 1, 65536, ratio))
+        w = ref.unpack_plan(plan.plan_w, "write")
+        if ratio == 128:
+            assert not w["valid"].any()
+        else:
+            last = (w["ragged_id"] == 65535) & w["valid"]
+            assert int(last.sum()) == 1 and int(w["write_loc"][last]) == e.slot(16, 4095)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_num_q_tokens_bound(device):
+    one = torch.tensor([1], device=device)
+    kw = dict(compress_ratio=128, ring_size=128, use_req_ring=True)
+    with pytest.raises(RuntimeError, match=r"plan_compress_prefill: num_q_tokens=65537 exceeds 65536 \(ragged ids are uint16\)"):
+        dsv4.plan_compress_prefill(one, one, one, num_q_tokens=65537, **kw)
+    pc = torch.empty(65537, 16, dtype=torch.uint8, device=device)
+    pw = torch.empty(65537, 8, dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match="num_q_tokens=65537 exceeds 65536"):
+        dsv4.plan_compress_prefill(one, one, one, num_q_tokens=65537, out=(pc, pw), **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_size_bound(device):
+    kw = dict(compress_ratio=4, ring_size=8, use_req_ring=True)
+    for B in (65535, 65536):
+        ones = torch.ones(B, dtype=torch.int32, device=device)
+        with pytest.raises(RuntimeError, match=f"plan_compress_prefill: batch_size={B}"):
+            dsv4.plan_compress_prefill(ones, ones, ones, num_q_tokens=B if B <= 65536 else 65536, **kw)
+    ones = torch.ones(65534, dtype=torch.int32, device=device)
+    p = dsv4.plan_compress_prefill(ones, ones, ones, num_q_tokens=65534, use_cuda_graph=True, **kw)
+    assert p.plan_w.shape == (65534, 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sentinel_boundary_ragged_id_65535(device):
+    """65534 requests, the last with 3 tokens: the final WritePlan row (ragged id 65535, word 0 =
+    0x0000FFFF) is valid and compress_forward writes its state row; a CompressPlan row with ragged id
+    65535 fills its output row."""
+    B = 65534
+    rids = torch.zeros(B, dtype=torch.int32)
+    rids[-1] = 1
+    L = torch.ones(B, dtype=torch.int32)
+    L[-1] = 3
+    kw = dict(compress_ratio=4, ring_size=8, use_req_ring=True)
+    for path in paths(device):
+        r_dev = rids.to(device)
+        lens = (L, L) if path == "host" else (L.to(device), L.to(device))
+        p = dsv4.plan_compress_prefill(r_dev, *lens, num_q_tokens=65536, **kw)
+        w = ref.unpack_plan(p.plan_w, "write")
+        last = int(w["valid"].nonzero()[-1])
+        assert int(w["word0"][last]) == 0xFFFF and int(w["write_loc"][last]) == 8 + 2
+        state = dsv4.alloc_compress_state(4, 128, 2, 8, device=device)
+        x = torch.zeros(65536, 512)
+        x[-3:] = torch.randn(3, 512, generator=gen("sentinel"))
+        x = x.to(device)
+        dsv4.compress_forward(state, x, torch.zeros(8, 128, device=device), p, head_dim=128)
+        assert torch.equal(state[10], x[65535]) and torch.equal(state[8], x[65533])
+    # A CompressPlan row with ragged id 65535: the 16 x 4096 case, c4 D=128.
+    e = Engine(4, 128, 8, paged=False, num_requests=16, max_tokens=4096, device=device, seed=("65535",))
+    x = e.rows(65536)
+    plan = planner_call(device, e, list(range(1, 17)), [4096] * 16, [4096] * 16)
+    out = dsv4.compress_forward(e.state, x.to(device), e.ape.to(device), plan, head_dim=128).cpu()
+    c = ref.unpack_plan(plan.plan, "compress")
+    k = int(((c["ragged_id"] == 65535) & c["valid"]).nonzero())
+    truth = ref.compress_entries_fp64(x[65536 - 4096:], e.ape, 4, 128)[-1]
+    torch.testing.assert_close(out[k].double(), truth, atol=2e-5, rtol=2e-5)
+    assert torch.all(out[~c["valid"]] == 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Invalid lookups (§2.2): -1 fields, unchanged counts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_invalid_lookups_keep_counts(device):
+    e = Engine(4, 128, 16, paged=True, sps=64, num_requests=4, max_tokens=512, device=device)
+    rids, L, E = [1, 2, 3, 4], [200, 300, 64, 9], [30, 12, 64, 9]
+    good = planner_call(device, e, rids, L, E)
+    e.full_to_swa[e.req_to_token[2, 290:]] = -1            # swa < 0
+    e.req_to_token[3, 10:20] = -5                          # loc < 0
+    e.req_to_token[1, 180:190] = e.full_to_swa.numel()     # loc >= F
+    bad = planner_call(device, e, rids + [9], L + [5], E + [5])  # rid 9 is beyond req_to_token
+    gc, bc = ref.unpack_plan(good.plan, "compress"), ref.unpack_plan(bad.plan, "compress")
+    gw, bw = ref.unpack_plan(good.plan_w, "write"), ref.unpack_plan(bad.plan_w, "write")
+    n_c, n_w = int(gc["valid"].sum()), int(gw["valid"].sum())
+    assert int(bc["valid"].sum()) >= n_c and int(bw["valid"].sum()) == n_w + 5
+    for key in ("seq_len", "ragged_id", "buffer_len"):
+        assert torch.equal(gc[key][:n_c], bc[key][:n_c])
+    assert torch.equal(gw["ragged_id"][:n_w], bw["ragged_id"][:n_w])
+    assert (bw["write_loc"][:n_w] == -1).sum() > 0 and torch.all(bw["write_loc"][n_w:n_w + 5] == -1)
+    changed = bw["write_loc"][:n_w] != gw["write_loc"][:n_w]
+    assert torch.all(bw["write_loc"][:n_w][changed] == -1)
+    rc, rw = ref.plan_compress_prefill(torch.tensor(rids + [9]), torch.tensor(L + [5]), torch.tensor(E + [5]),
+                                       e.req_to_token, e.full_to_swa, sum(E) + 5, 4, 64, 16, False, device == "cuda")
+    assert torch.equal(bad.plan.cpu(), rc) and torch.equal(bad.plan_w.cpu(), rw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation (§3.7) and opcheck
+
+
+def _decode_args(device="cpu"):
+    return dict(req_pool_indices=torch.tensor([1, 2], device=device), seq_lens=torch.tensor([5, 9], device=device),
+                req_to_token=torch.zeros(4, 64, dtype=torch.int32, device=device),
+                full_to_swa=torch.zeros(300, dtype=torch.int64, device=device), compress_ratio=4, swa_page_size=64,
+                ring_size=16, use_req_ring=False)
+
+
+def _prefill_args(device="cpu"):
+    a = _decode_args(device)
+    a.update(extend_lens=torch.tensor([2, 3], device=device), num_q_tokens=5, use_cuda_graph=False)
+    return a
+
+
+def _decode(a):
+    return torch.ops.dsv4.plan_compress_decode(a["req_pool_indices"], a["seq_lens"], a["req_to_token"],
+                                               a["full_to_swa"], a["compress_ratio"], a["swa_page_size"],
+                                               a["ring_size"], a["use_req_ring"])
+
+
+def _prefill(a):
+    return torch.ops.dsv4.plan_compress_prefill(a["req_pool_indices"], a["seq_lens"], a["extend_lens"],
+                                                a["req_to_token"], a["full_to_swa"], a["num_q_tokens"],
+                                                a["compress_ratio"], a["swa_page_size"], a["ring_size"],
+                                                a["use_req_ring"], a["use_cuda_graph"])
+
+
+COMMON_BAD = [
+    ("ratio", dict(compress_ratio=2), "compress_ratio"),
+    ("ring_multiple", dict(ring_size=18), "ring_size"),
+    ("ring_small", dict(ring_size=4), "ring_size"),
+    ("c128_ring", dict(compress_ratio=128, ring_size=64, use_req_ring=True), "ring_size"),
+    ("sps_zero", dict(swa_page_size=0), "swa_page_size"),
+    ("sps_multiple", dict(swa_page_size=24), "swa_page_size"),
+    ("no_req_to_token", dict(req_to_token=None), "req_to_token"),
+    ("no_full_to_swa", dict(full_to_swa=None), "full_to_swa"),
+    ("r2t_dtype", dict(req_to_token=torch.zeros(4, 64, dtype=torch.int16)), "req_to_token"),
+    ("r2t_dim", dict(req_to_token=torch.zeros(64, dtype=torch.int32)), "req_to_token"),
+    ("f2s_dtype", dict(full_to_swa=torch.zeros(300)), "full_to_swa"),
+    ("rids_dtype", dict(req_pool_indices=torch.tensor([1.0, 2.0])), "req_pool_indices"),
+    ("seq_lens_len", dict(seq_lens=torch.tensor([5])), "seq_lens"),
+]
+PREFILL_BAD = COMMON_BAD + [
+    ("num_q_negative", dict(num_q_tokens=-1), "num_q_tokens"),
+    ("extend_len", dict(extend_lens=torch.tensor([2])), "extend_lens"),
+    ("extend_gt_seq", dict(extend_lens=torch.tensor([6, 3]), num_q_tokens=9), "extend_lens"),
+    ("extend_negative", dict(extend_lens=torch.tensor([-1, 3])), "extend_lens"),
+    ("seq_too_long", dict(seq_lens=torch.tensor([2**31, 9])), "seq_lens"),
+    ("sum_extend", dict(num_q_tokens=4), "extend_lens"),
+]
+VALUE_CHECKS = {"extend_gt_seq", "extend_negative", "seq_too_long", "sum_extend"}
+
+
+@pytest.mark.parametrize("name,change,arg", COMMON_BAD, ids=[b[0] for b in COMMON_BAD])
+def test_decode_validation(name, change, arg):
+    a = _decode_args()
+    a.update(change)
+    with pytest.raises(RuntimeError, match=rf"plan_compress_decode: .*{arg}"):
+        _decode(a)
+    mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    fake = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+    with mode, pytest.raises(RuntimeError, match="plan_compress_decode"):
+        _decode(fake)
+
+
+@pytest.mark.parametrize("name,change,arg", PREFILL_BAD, ids=[b[0] for b in PREFILL_BAD])
+def test_prefill_validation(name, change, arg):
+    a = _prefill_args()
+    a.update(change)
+    with pytest.raises(RuntimeError, match=rf"plan_compress_prefill: .*{arg}"):
+        _prefill(a)
+    if name not in VALUE_CHECKS:  # fakes read no values
+        mode = torch._subclasses.fake_tensor.FakeTensorMode()
+        fake = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+        with mode, pytest.raises(RuntimeError, match="plan_compress_prefill"):
+            _prefill(fake)
+
+
+def test_out_buffers_validated():
+    a = _prefill_args()
+    args = [a[k] for k in ("req_pool_indices", "seq_lens", "extend_lens", "req_to_token", "full_to_swa",
+                           "num_q_tokens", "compress_ratio", "swa_page_size", "ring_size", "use_req_ring")]
+    good_c, good_w = torch.empty(5, 16, dtype=torch.uint8), torch.empty(5, 8, dtype=torch.uint8)
+    for bad_c, bad_w, arg in [(torch.empty(4, 16, dtype=torch.uint8), good_w, "plan_c"),
+                              (good_c, torch.empty(5, 16, dtype=torch.uint8), "plan_w"),
+                              (good_c.view(torch.int32).view(torch.uint8)[:, :8], good_w, "plan_c"),
+                              (torch.empty(5 * 16 + 8, dtype=torch.uint8)[8:].view(5, 16), good_w, "plan_c")]:
+        with pytest.raises(RuntimeError, match=f"plan_compress_prefill_out: {arg}"):
+            torch.ops.dsv4.plan_compress_prefill_out(*args, bad_c, bad_w)
+    with pytest.raises(RuntimeError, match="plan_compress_decode_out: plan_d"):
+        torch.ops.dsv4.plan_compress_decode_out(*args[:2], *args[3:5], 4, 64, 16, False,
+                                                torch.empty(3, 16, dtype=torch.uint8))
+
+
+@cuda_only
+def test_device_placement_errors():
+    a = _prefill_args("cuda")
+    for name in ("req_to_token", "full_to_swa"):
+        b = dict(a)
+        b[name] = a[name].cpu()
+        with pytest.raises(RuntimeError, match=f"plan_compress_prefill: {name} must be on cuda"):
+            _prefill(b)
+    b = dict(a, extend_lens=a["extend_lens"].cpu())  # seq_lens on CUDA selects the GPU path
+    with pytest.raises(RuntimeError, match="plan_compress_prefill: extend_lens must be on cuda"):
+        _prefill(b)
+    b = dict(a, seq_lens=a["seq_lens"].cpu())  # host path: extend_lens must be on the CPU too
+    with pytest.raises(RuntimeError, match="plan_compress_prefill: extend_lens must be on cpu"):
+        _prefill(b)
+    b = dict(a, seq_lens=a["seq_lens"].cpu(), extend_lens=a["extend_lens"].cpu())
+    pc, pw = _prefill(b)  # the host-input path
+    assert pc.is_cuda and pw.is_cuda
+    d = _decode_args("cuda")
+    d["seq_lens"] = d["seq_lens"].cpu()
+    with pytest.raises(RuntimeError, match="plan_compress_decode: seq_lens must be on cuda"):
+        _decode(d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_planners(device):
+    a = _prefill_args(device)
+    a["req_to_token"] = torch.arange(4 * 64, dtype=torch.int32, device=device).view(4, 64)
+    a["full_to_swa"] = torch.randperm(300, device=device)
+    torch.library.opcheck(torch.ops.dsv4.plan_compress_decode.default,
+                          tuple(a[k] for k in ("req_pool_indices", "seq_lens", "req_to_token", "full_to_swa",
+                                               "compress_ratio", "swa_page_size", "ring_size", "use_req_ring")))
+    plan_d = torch.empty(2, 16, dtype=torch.uint8, device=device)
+    torch.library.opcheck(torch.ops.dsv4.plan_compress_decode_out.default,
+                          tuple(a[k] for k in ("req_pool_indices", "seq_lens", "req_to_token", "full_to_swa",
+                                               "compress_ratio", "swa_page_size", "ring_size", "use_req_ring"))
+                          + (plan_d,))
+    prefill = tuple(a[k] for k in ("req_pool_indices", "seq_lens", "extend_lens", "req_to_token", "full_to_swa",
+                                   "num_q_tokens", "compress_ratio", "swa_page_size", "ring_size", "use_req_ring"))
+    torch.library.opcheck(torch.ops.dsv4.plan_compress_prefill.default, prefill + (True,))
+    pc = torch.empty(5, 16, dtype=torch.uint8, device=device)
+    pw = torch.empty(5, 8, dtype=torch.uint8, device=device)
+    torch.library.opcheck(torch.ops.dsv4.plan_compress_prefill_out.default, prefill + (pc, pw))
+    if device == "cpu":  # compact host plans: data-dependent sizes
+        torch.library.opcheck(torch.ops.dsv4.plan_compress_prefill.default, prefill + (False,),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_planners(device):
+    torch._dynamo.reset()
+    a = _prefill_args(device)
+
+    def step(rids, L, E, r2t, f2s, plan_d):
+        torch.ops.dsv4.plan_compress_decode_out(rids, L, r2t, f2s, 4, 64, 16, False, plan_d)
+        return torch.ops.dsv4.plan_compress_prefill(rids, L, E, r2t, f2s, 5, 4, 64, 16, False, True)
+
+    args = [a[k] for k in ("req_pool_indices", "seq_lens", "extend_lens", "req_to_token", "full_to_swa")]
+    d_eager, d_comp = (torch.empty(2, 16, dtype=torch.uint8, device=device) for _ in range(2))
+    eager = step(*args, d_eager)
+    got = torch.compile(step, fullgraph=True)(*args, d_comp)
+    assert torch.equal(d_eager, d_comp) and all(torch.equal(x, y) for x, y in zip(eager, got))
