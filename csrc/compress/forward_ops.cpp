@@ -100,16 +100,8 @@ Tensor compress_forward(Tensor state, Tensor kv_score_input, Tensor ape, Tensor 
   p.head_dim = int(head_dim);
   p.is_decode = is_decode;
   if (plan_rows == 0 && p.plan_w_rows == 0) return out;
-  if (state.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(state);
-    compress_forward_cuda(p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    compress_forward_cpu(p);
-  }
+  run_on_device(
+      op, state, [&] { compress_forward_cpu(p); }, [&](auto stream) { compress_forward_cuda(p, stream); });
   return out;
 }
 

@@ -118,16 +118,7 @@ DecodePlanParams check_decode(const char* op, const Tensor& req_pool_indices, co
 void run_decode(const char* op, DecodePlanParams p, const Tensor& anchor, const Tensor& plan) {
   if (p.batch == 0) return;
   p.plan = static_cast<DecodeEntry*>(plan.data_ptr());
-  if (anchor.is_cuda()) {
-#ifdef USE_CUDA
-    CudaContext ctx(anchor);
-    decode_plan_cuda(p, ctx.stream());
-#else
-    fail_no_cuda(op);
-#endif
-  } else {
-    decode_plan_cpu(p);
-  }
+  run_on_device(op, anchor, [&] { decode_plan_cpu(p); }, [&](auto stream) { decode_plan_cuda(p, stream); });
 }
 
 // ---------------------------------------------------------------------------------------------
