@@ -14,7 +14,9 @@ constexpr int kC128Slices = 8;                      // one warp per slice of the
 constexpr int kC128Chunk = 128;                     // channels per block: 32 lanes x 4
 constexpr int kC128Threads = 32 * kC128Slices;
 constexpr int kC128MaxRowsPerBlock = 8;
-constexpr int kC128Group = 8;                       // slots whose loads are in flight together
+// Slots whose loads are in flight together (mixed state / input dtypes hold both rows' registers).
+template <bool InBf16, bool StBf16>
+constexpr int kC128Group = InBf16 == StBf16 ? 8 : 4;
 constexpr int kC128ItemsPerRow = 2 * kC128Chunk / 4;  // float4 items of a row's (kv, s) chunk
 constexpr int kWriteWarps = 8;
 
@@ -27,38 +29,45 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
   return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
 
-// Four consecutive bf16 or fp32 elements starting at element i, widened; vector access when aligned.
-template <bool Bf16>
+// Four consecutive bf16 or fp32 elements starting at element i, widened. Vec (chosen at launch from
+// the alignment of every base pointer and row stride) selects one 16-B / 8-B access over four scalar
+// ones. No branches: a load whose result merges with another path's value at a join would force a
+// wait for it, which serialises the window's loads.
+template <bool Bf16, bool Vec>
 __device__ __forceinline__ float4 load4(const void* base, int64_t i) {
   if constexpr (Bf16) {
     const uint16_t* s = static_cast<const uint16_t*>(base) + i;
-    if ((reinterpret_cast<uintptr_t>(s) & 7) == 0) {
+    if constexpr (Vec) {
       const uint2 v = *reinterpret_cast<const uint2*>(s);
       return make_float4(bf16_to_f32(uint16_t(v.x & 0xFFFFu)), bf16_to_f32(uint16_t(v.x >> 16)),
                          bf16_to_f32(uint16_t(v.y & 0xFFFFu)), bf16_to_f32(uint16_t(v.y >> 16)));
+    } else {
+      return make_float4(bf16_to_f32(s[0]), bf16_to_f32(s[1]), bf16_to_f32(s[2]), bf16_to_f32(s[3]));
     }
-    return make_float4(bf16_to_f32(s[0]), bf16_to_f32(s[1]), bf16_to_f32(s[2]), bf16_to_f32(s[3]));
   } else {
     const float* s = static_cast<const float*>(base) + i;
-    if ((reinterpret_cast<uintptr_t>(s) & 15) == 0) return *reinterpret_cast<const float4*>(s);
-    return make_float4(s[0], s[1], s[2], s[3]);
+    if constexpr (Vec) {
+      return *reinterpret_cast<const float4*>(s);
+    } else {
+      return make_float4(s[0], s[1], s[2], s[3]);
+    }
   }
 }
 
 // Rounds (RNE) to bf16 or stores fp32, at element i.
-template <bool Bf16>
+template <bool Bf16, bool Vec>
 __device__ __forceinline__ void store4(void* base, int64_t i, float4 v) {
   if constexpr (Bf16) {
     uint16_t* d = static_cast<uint16_t*>(base) + i;
     const uint16_t h[4] = {f32_to_bf16(v.x), f32_to_bf16(v.y), f32_to_bf16(v.z), f32_to_bf16(v.w)};
-    if ((reinterpret_cast<uintptr_t>(d) & 7) == 0) {
+    if constexpr (Vec) {
       *reinterpret_cast<uint2*>(d) = make_uint2(h[0] | (uint32_t(h[1]) << 16), h[2] | (uint32_t(h[3]) << 16));
     } else {
       d[0] = h[0]; d[1] = h[1]; d[2] = h[2]; d[3] = h[3];
     }
   } else {
     float* d = static_cast<float*>(base) + i;
-    if ((reinterpret_cast<uintptr_t>(d) & 15) == 0) {
+    if constexpr (Vec) {
       *reinterpret_cast<float4*>(d) = v;
     } else {
       d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
@@ -76,34 +85,54 @@ __device__ __forceinline__ CompressEntry load_compress_entry(const uint8_t* row)
   return CompressEntry{v.x, uint16_t(v.y & 0xFFFFu), uint16_t(v.y >> 16), int32_t(v.z), int32_t(v.w)};
 }
 
-// The raw loads of window slot k for channels [c, c+4): value, score and the slot's ape row. Only
-// loads, so that a caller can issue every slot's loads before the first use (one memory latency per
-// window instead of one per slot). Pad slots are synthesised: value 0, score -inf.
+// The loads of window slot k for channels [c, c+4): issued here and resolved (pad selects, ape added)
+// by resolve() once every slot of the group is in flight. With equal state and input dtypes a slot is
+// one load pair from a selected row (pad slots read the state's pad row and are masked afterwards);
+// otherwise the input loads are predicated into separate registers.
+template <bool InBf16, bool StBf16>
 struct SlotLoads {
-  float4 value, score, bias;
+  float4 value, score;        // the selected row's (equal dtypes) or the state row's
+  float4 in_value, in_score;  // the input row's (mixed dtypes only)
+  float4 bias;
+  SlotKind kind;
+
+  __device__ __forceinline__ void resolve(float4& v, float4& s) const {
+    if (kind == SlotKind::Pad) {
+      v = make_float4(0.f, 0.f, 0.f, 0.f);
+      s = neg_inf4();
+      return;
+    }
+    const bool from_input = InBf16 != StBf16 && kind == SlotKind::Input;
+    v = from_input ? in_value : value;
+    s = add4(from_input ? in_score : score, bias);
+  }
 };
 
-template <bool InBf16, bool StBf16>
-__device__ __forceinline__ SlotLoads issue_slot(const ForwardParams& p, const PoolWindow& w, int k, int64_t c) {
+template <int kRatio, bool InBf16, bool StBf16, bool Vec>
+__device__ __forceinline__ SlotLoads<InBf16, StBf16> issue_slot(const ForwardParams& p, const PoolWindow& w, int k,
+                                                               int64_t c, int64_t state_pages) {
   const int64_t D = p.head_dim;
-  const SlotSource s = slot_source(w, k, p.ratio, p.state_rows / p.ratio, p.input_rows);
-  const int64_t vc = value_column(p.ratio, k, D) + c, sc = score_column(p.ratio, k, D) + c;
-  SlotLoads l;
-  if (s.kind == SlotKind::State) {
-    const int64_t base = s.row * state_row_width(p.ratio, D);
-    l.value = load4<StBf16>(p.state, base + vc);
-    l.score = load4<StBf16>(p.state, base + sc);
-  } else if (s.kind == SlotKind::Input) {
-    const int64_t base = s.row * p.input_stride;
-    l.value = load4<InBf16>(p.input, base + vc);
-    l.score = load4<InBf16>(p.input, base + sc);
+  const int64_t W = state_row_width(kRatio, D);
+  const SlotSource s = slot_source(w, k, kRatio, state_pages, p.input_rows);
+  const int64_t vc = value_column(kRatio, k, D) + c, sc = score_column(kRatio, k, D) + c;
+  SlotLoads<InBf16, StBf16> l;
+  l.kind = s.kind;
+  const bool input = s.kind == SlotKind::Input;
+  const int64_t state_row = (s.kind == SlotKind::State ? s.row : p.state_rows - 1) * W;
+  if constexpr (InBf16 == StBf16) {
+    const void* base = input ? p.input : static_cast<const void*>(p.state);
+    const int64_t row = input ? s.row * p.input_stride : state_row;
+    l.value = load4<StBf16, Vec>(base, row + vc);
+    l.score = load4<StBf16, Vec>(base, row + sc);
   } else {
-    l.value = make_float4(0.f, 0.f, 0.f, 0.f);
-    l.score = neg_inf4();
-    l.bias = make_float4(0.f, 0.f, 0.f, 0.f);
-    return l;
+    l.value = load4<StBf16, Vec>(p.state, state_row + vc);
+    l.score = load4<StBf16, Vec>(p.state, state_row + sc);
+    if (input) {
+      l.in_value = load4<InBf16, Vec>(p.input, s.row * p.input_stride + vc);
+      l.in_score = load4<InBf16, Vec>(p.input, s.row * p.input_stride + sc);
+    }
   }
-  l.bias = load4<false>(p.ape, int64_t(k) * D + c);
+  l.bias = load4<false, Vec>(p.ape, int64_t(k) * D + c);
   return l;
 }
 
@@ -125,18 +154,20 @@ __device__ __forceinline__ float softmax_pool(const float* s, const float* v) {
 }
 
 // c4: the 8-slot window for channels [c, c+4).
-template <bool InBf16, bool StBf16>
+template <bool InBf16, bool StBf16, bool Vec>
 __device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c) {
   constexpr int kWindow = 8;
-  SlotLoads l[kWindow];
+  const int64_t pages = p.state_rows / 4;
+  SlotLoads<InBf16, StBf16> l[kWindow];
 #pragma unroll
-  for (int k = 0; k < kWindow; ++k) l[k] = issue_slot<InBf16, StBf16>(p, w, k, c);
+  for (int k = 0; k < kWindow; ++k) l[k] = issue_slot<4, InBf16, StBf16, Vec>(p, w, k, c, pages);
   float s[4][kWindow], v[4][kWindow];
 #pragma unroll
   for (int k = 0; k < kWindow; ++k) {
-    const float4 score = add4(l[k].score, l[k].bias);
+    float4 value, score;
+    l[k].resolve(value, score);
     s[0][k] = score.x; s[1][k] = score.y; s[2][k] = score.z; s[3][k] = score.w;
-    v[0][k] = l[k].value.x; v[1][k] = l[k].value.y; v[2][k] = l[k].value.z; v[3][k] = l[k].value.w;
+    v[0][k] = value.x; v[1][k] = value.y; v[2][k] = value.z; v[3][k] = value.w;
   }
   return make_float4(softmax_pool<kWindow>(s[0], v[0]), softmax_pool<kWindow>(s[1], v[1]),
                      softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
@@ -169,27 +200,31 @@ struct C128Merge {
 // c128: the block's 128-channel chunk [chunk, chunk + 128) of one window. Warp `slice` pools slots
 // [16·slice, 16·slice + 16) online, then warp 0 merges the 8 partials in slice order (deterministic).
 // Every thread of the block must call it; the result is valid in warp 0.
-template <bool InBf16, bool StBf16>
+template <bool InBf16, bool StBf16, bool Vec>
 __device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t chunk, C128Merge& merge) {
   constexpr int kSlots = 128 / kC128Slices;
   const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
   const int64_t c = chunk + 4 * lane;
+  const int64_t pages = p.state_rows / 128;
   OnlineSoftmax st[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) st[j] = OnlineSoftmax{__int_as_float(0xFF800000), 0.f, 0.f};
   // Groups of kGroup slots: every load of a group is issued before the first use.
 #pragma unroll 1
-  for (int i0 = 0; i0 < kSlots; i0 += kC128Group) {
-    SlotLoads l[kC128Group];
+  for (int i0 = 0; i0 < kSlots; i0 += kC128Group<InBf16, StBf16>) {
+    SlotLoads<InBf16, StBf16> l[kC128Group<InBf16, StBf16>];
 #pragma unroll
-    for (int i = 0; i < kC128Group; ++i) l[i] = issue_slot<InBf16, StBf16>(p, w, slice * kSlots + i0 + i, c);
+    for (int i = 0; i < kC128Group<InBf16, StBf16>; ++i) {
+      l[i] = issue_slot<128, InBf16, StBf16, Vec>(p, w, slice * kSlots + i0 + i, c, pages);
+    }
 #pragma unroll
-    for (int i = 0; i < kC128Group; ++i) {
-      const float4 score = add4(l[i].score, l[i].bias);
-      st[0].add(score.x, l[i].value.x);
-      st[1].add(score.y, l[i].value.y);
-      st[2].add(score.z, l[i].value.z);
-      st[3].add(score.w, l[i].value.w);
+    for (int i = 0; i < kC128Group<InBf16, StBf16>; ++i) {
+      float4 value, score;
+      l[i].resolve(value, score);
+      st[0].add(score.x, value.x);
+      st[1].add(score.y, value.y);
+      st[2].add(score.z, value.z);
+      st[3].add(score.w, value.w);
     }
   }
 #pragma unroll
@@ -226,7 +261,7 @@ __device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t
 // ---- c4 ----
 
 // Decode: one request per D/4 threads; pools on boundary rows, writes the input row on every row.
-template <bool InBf16, bool StBf16>
+template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC4Threads) c4_decode_kernel(ForwardParams p) {
   const int64_t D = p.head_dim;
   const int threads_per_row = int(D / 4);
@@ -237,23 +272,23 @@ __global__ void __launch_bounds__(kC4Threads) c4_decode_kernel(ForwardParams p) 
   const DecodeEntry e = load_decode_entry(p.plan + b * kPlanRowBytes);
   float4 row[4];  // kv_ov, kv, s_ov, s of the input row
 #pragma unroll
-  for (int part = 0; part < 4; ++part) row[part] = load4<InBf16>(p.input, b * p.input_stride + part * D + c);
+  for (int part = 0; part < 4; ++part) row[part] = load4<InBf16, Vec>(p.input, b * p.input_stride + part * D + c);
   // The write goes to the ring row of p, which this window never reads (it takes p from the
   // input), so it may precede the pooling; that frees the row's registers first.
   if (e.seq_len != kInvalidPlanWord && writable_state_row(e.write_loc, p.state_rows, 4)) {
     const int64_t base = int64_t(e.write_loc) * 4 * D;
 #pragma unroll
-    for (int part = 0; part < 4; ++part) store4<StBf16>(p.state, base + part * D + c, row[part]);
+    for (int part = 0; part < 4; ++part) store4<StBf16, Vec>(p.state, base + part * D + c, row[part]);
   }
   const PoolWindow w = decode_window(e, b, 4);
   float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (w.emits) out = pool_c4<InBf16, StBf16>(p, w, c);
+  if (w.emits) out = pool_c4<InBf16, StBf16, Vec>(p, w, c);
   pdl_launch_dependents();
-  store4<InBf16>(p.out, b * D + c, out);
+  store4<InBf16, Vec>(p.out, b * D + c, out);
 }
 
 // Prefill: one CompressPlan row per D/4 threads; invalid rows give zeros.
-template <bool InBf16, bool StBf16>
+template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC4Threads) c4_prefill_kernel(ForwardParams p) {
   const int64_t D = p.head_dim;
   const int threads_per_row = int(D / 4);
@@ -263,16 +298,16 @@ __global__ void __launch_bounds__(kC4Threads) c4_prefill_kernel(ForwardParams p)
   if (k >= p.plan_rows) return;
   const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
   float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (w.emits) out = pool_c4<InBf16, StBf16>(p, w, c);
+  if (w.emits) out = pool_c4<InBf16, StBf16, Vec>(p, w, c);
   pdl_launch_dependents();
-  store4<InBf16>(p.out, k * D + c, out);
+  store4<InBf16, Vec>(p.out, k * D + c, out);
 }
 
 // ---- c128 ----
 
 // Decode: block (x, y) serves requests [x·R, x·R + R) on channel chunk y: it copies that chunk of
 // each input row (kv and s halves) to the state and pools the requests that close a chunk.
-template <bool InBf16, bool StBf16>
+template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams p, int rows_per_block) {
   __shared__ DecodeEntry entries[kC128MaxRowsPerBlock];
   __shared__ C128Merge merge;
@@ -292,7 +327,7 @@ __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams
     const int idx = threadIdx.x + i * kC128Threads;
     const int r = idx / kC128ItemsPerRow;
     const int64_t col = ((idx / 32) % 2) * D + chunk + 4 * (idx % 32);
-    if (r < rows_per_block && first + r < p.plan_rows) item[i] = load4<InBf16>(p.input, (first + r) * p.input_stride + col);
+    if (r < rows_per_block && first + r < p.plan_rows) item[i] = load4<InBf16, Vec>(p.input, (first + r) * p.input_stride + col);
   }
   __syncthreads();
   // The writes go to the ring rows of the current positions, which no window of this call reads
@@ -305,20 +340,20 @@ __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams
     const DecodeEntry e = entries[r];
     if (e.seq_len == kInvalidPlanWord || !writable_state_row(e.write_loc, p.state_rows, 128)) continue;
     const int64_t col = ((idx / 32) % 2) * D + chunk + 4 * (idx % 32);
-    store4<StBf16>(p.state, int64_t(e.write_loc) * 2 * D + col, item[i]);
+    store4<StBf16, Vec>(p.state, int64_t(e.write_loc) * 2 * D + col, item[i]);
   }
   for (int r = 0; r < rows_per_block && first + r < p.plan_rows; ++r) {
     const int64_t b = first + r;
     const PoolWindow w = decode_window(entries[r], b, 128);
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (w.emits) out = pool_c128<InBf16, StBf16>(p, w, chunk, merge);  // block-uniform branch
-    if (threadIdx.x < 32) store4<InBf16>(p.out, b * D + chunk + 4 * lane, out);
+    if (w.emits) out = pool_c128<InBf16, StBf16, Vec>(p, w, chunk, merge);  // block-uniform branch
+    if (threadIdx.x < 32) store4<InBf16, Vec>(p.out, b * D + chunk + 4 * lane, out);
   }
   pdl_launch_dependents();
 }
 
 // Prefill: block (x, y) pools CompressPlan rows [x·R, x·R + R) on channel chunk y.
-template <bool InBf16, bool StBf16>
+template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC128Threads) c128_prefill_kernel(ForwardParams p, int rows_per_block) {
   __shared__ C128Merge merge;
   const int64_t D = p.head_dim;
@@ -330,8 +365,8 @@ __global__ void __launch_bounds__(kC128Threads) c128_prefill_kernel(ForwardParam
     const int64_t k = first + r;
     const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (w.emits) out = pool_c128<InBf16, StBf16>(p, w, chunk, merge);  // block-uniform branch
-    if (threadIdx.x < 32) store4<InBf16>(p.out, k * D + chunk + 4 * lane, out);
+    if (w.emits) out = pool_c128<InBf16, StBf16, Vec>(p, w, chunk, merge);  // block-uniform branch
+    if (threadIdx.x < 32) store4<InBf16, Vec>(p.out, k * D + chunk + 4 * lane, out);
   }
   pdl_launch_dependents();
 }
@@ -339,7 +374,7 @@ __global__ void __launch_bounds__(kC128Threads) c128_prefill_kernel(ForwardParam
 // ---- prefill state writes (second launch) ----
 
 // One warp per WritePlan row: copies the whole input row to its state row.
-template <bool InBf16, bool StBf16>
+template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kWriteWarps * 32) state_write_kernel(ForwardParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t i = int64_t(blockIdx.x) * kWriteWarps + (threadIdx.x >> 5);
@@ -351,7 +386,7 @@ __global__ void __launch_bounds__(kWriteWarps * 32) state_write_kernel(ForwardPa
   const int64_t width = state_row_width(p.ratio, p.head_dim);
 #pragma unroll 4
   for (int64_t col = 4 * lane; col < width; col += 4 * 32) {
-    store4<StBf16>(p.state, dst * width + col, load4<InBf16>(p.input, src * p.input_stride + col));
+    store4<StBf16, Vec>(p.state, dst * width + col, load4<InBf16, Vec>(p.input, src * p.input_stride + col));
   }
 }
 
@@ -363,42 +398,55 @@ int c128_rows_per_block(int64_t rows) {
   return int(r < 1 ? 1 : (r > kC128MaxRowsPerBlock ? kC128MaxRowsPerBlock : r));
 }
 
-template <bool InBf16, bool StBf16>
+template <bool InBf16, bool StBf16, bool Vec>
 void launch(const ForwardParams& p, cudaStream_t stream) {
   const int64_t c4_rows_per_block = kC4Threads / (p.head_dim / 4);
   if (p.plan_rows > 0) {
     if (p.ratio == 4) {
       const dim3 grid(blocks_for(p.plan_rows, c4_rows_per_block));
       if (p.is_decode) {
-        launch_kernel(c4_decode_kernel<InBf16, StBf16>, grid, dim3(kC4Threads), 0, stream, "compress_forward", p);
+        launch_kernel(c4_decode_kernel<InBf16, StBf16, Vec>, grid, dim3(kC4Threads), 0, stream, "compress_forward", p);
       } else {
-        launch_kernel(c4_prefill_kernel<InBf16, StBf16>, grid, dim3(kC4Threads), 0, stream, "compress_forward", p);
+        launch_kernel(c4_prefill_kernel<InBf16, StBf16, Vec>, grid, dim3(kC4Threads), 0, stream, "compress_forward", p);
       }
     } else {
       const int rows_per_block = c128_rows_per_block(p.plan_rows);
       const dim3 grid(blocks_for(p.plan_rows, rows_per_block), unsigned(p.head_dim / kC128Chunk));
       if (p.is_decode) {
-        launch_kernel(c128_decode_kernel<InBf16, StBf16>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
+        launch_kernel(c128_decode_kernel<InBf16, StBf16, Vec>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
                       p, rows_per_block);
       } else {
-        launch_kernel(c128_prefill_kernel<InBf16, StBf16>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
+        launch_kernel(c128_prefill_kernel<InBf16, StBf16, Vec>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
                       p, rows_per_block);
       }
     }
   }
   if (!p.is_decode && p.plan_w_rows > 0) {
-    launch_kernel(state_write_kernel<InBf16, StBf16>, dim3(blocks_for(p.plan_w_rows, kWriteWarps)),
+    launch_kernel(state_write_kernel<InBf16, StBf16, Vec>, dim3(blocks_for(p.plan_w_rows, kWriteWarps)),
                   dim3(kWriteWarps * 32), 0, stream, "compress_forward (state write)", p);
   }
+}
+
+// Vector accesses need 16-B (fp32) / 8-B (bf16) aligned bases and row strides of every tensor touched.
+bool vector_aligned(const ForwardParams& p) {
+  auto ok = [](const void* ptr, size_t align) { return reinterpret_cast<uintptr_t>(ptr) % align == 0; };
+  const size_t in_align = p.input_bf16 ? 8 : 16, st_align = p.state_bf16 ? 8 : 16;
+  return ok(p.input, in_align) && p.input_stride % 4 == 0 && ok(p.state, st_align) && ok(p.ape, 16) &&
+         ok(p.out, in_align);
+}
+
+template <bool InBf16, bool StBf16>
+void launch_types(const ForwardParams& p, cudaStream_t stream) {
+  if (vector_aligned(p)) launch<InBf16, StBf16, true>(p, stream); else launch<InBf16, StBf16, false>(p, stream);
 }
 
 }  // namespace
 
 void compress_forward_cuda(const ForwardParams& p, cudaStream_t stream) {
   if (p.input_bf16) {
-    if (p.state_bf16) launch<true, true>(p, stream); else launch<true, false>(p, stream);
+    if (p.state_bf16) launch_types<true, true>(p, stream); else launch_types<true, false>(p, stream);
   } else {
-    if (p.state_bf16) launch<false, true>(p, stream); else launch<false, false>(p, stream);
+    if (p.state_bf16) launch_types<false, true>(p, stream); else launch_types<false, false>(p, stream);
   }
 }
 
