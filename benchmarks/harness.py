@@ -6,6 +6,7 @@ large cases as the median of single calls timed with events, with the L2 flushed
 """
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -132,7 +133,11 @@ def row(
 
 
 def torch_baseline_us(fn: Callable[[], float]) -> Optional[float]:
-    """Times a torch baseline; a failure (e.g. a compile error) is reported, not fatal."""
+    """Times a torch baseline; a failure (e.g. a compile error) is reported, not fatal. Skipped (None)
+    when DSV4_BENCH_NO_TORCH=1: compiling the baselines dominates a run, and a quick check of our own
+    kernels' times does not need them."""
+    if os.environ.get("DSV4_BENCH_NO_TORCH") == "1":
+        return None
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001

@@ -1,7 +1,7 @@
 """Benchmark runner: measures the copy roofline and the launch floor, runs every family's benchmark
 module, writes benchmarks/results/<gpu>.md (full table) and <gpu>.png (plot), and prints a summary.
 
-    python -m benchmarks.run [--only kv_io,writers,metadata,low_ratio] [--out DIR]
+    python -m benchmarks.run [--only kv_io,writers,metadata,low_ratio,compress] [--out DIR] [--no-torch]
 """
 from __future__ import annotations
 
@@ -102,7 +102,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="", help="comma-separated families (default: all available)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--no-torch", action="store_true", help="skip the compiled torch baselines (quick runs)")
     args = parser.parse_args()
+    if args.no_torch:
+        os.environ["DSV4_BENCH_NO_TORCH"] = "1"
     wanted = [f for f in args.only.split(",") if f] or list(FAMILIES)
     bench = Bench()
     empty_us = bench.empty_kernel_us()
