@@ -1,6 +1,6 @@
 // CUDA kernels of the norm + RoPE cache writers: one token per warp, 4 warps per block. Main rows:
 // lane l owns dims [16l, 16l+16) (lanes 28..31 the RoPE tail); indexer rows: dims [4l, 4l+4). Lane 0
-// resolves the row's slot and position (from out_loc/positions or the plan entry) before any kv load.
+// resolves the row's slot and position (from out_loc/positions or the plan entry).
 #include "writers_launch.h"
 #include "dsv4/hadamard.cuh"
 #include "dsv4/launch.cuh"
@@ -52,6 +52,11 @@ __device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t tok
   return __shfl_sync(kFullMask, take, 0) != 0;
 }
 
+// The K writer and the prefill compress writer store every row but padding, so their row and weight
+// loads go out before lane 0's index loads and the two latencies overlap. A decode compress row is
+// written only when its request closes a window (one step in `ratio`), so it is resolved first.
+constexpr bool loads_before_indices(RowSource s) { return s != RowSource::CompressDecode; }
+
 __device__ __forceinline__ void round_lane_to_bf16(float* v) {
 #pragma unroll
   for (int i = 0; i < kLaneDims; ++i) v[i] = round_to_bf16(v[i]);
@@ -75,14 +80,18 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(Nor
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   pdl_wait_dependencies();
   if (token >= p.n) return;
-  RowTarget t;
-  if (!resolve_row<S>(p, token, lane, t)) return;
-
   constexpr size_t kElem = KvFp32 ? 4 : 2;
   const char* row = static_cast<const char*>(p.kv.data) + token * p.kv.row_stride * kElem;
   float x[kLaneDims], w[kLaneDims], f[kLaneDims];
-  load_widen<kLaneDims, KvFp32>(row + lane * kLaneDims * kElem, x);
-  load_weight<kLaneDims>(p, lane * kLaneDims, w);
+  const auto load_row_and_weight = [&] {
+    load_widen<kLaneDims, KvFp32>(row + lane * kLaneDims * kElem, x);
+    load_weight<kLaneDims>(p, lane * kLaneDims, w);
+  };
+  constexpr bool kLoadFirst = loads_before_indices(S);
+  if constexpr (kLoadFirst) load_row_and_weight();
+  RowTarget t;
+  if (!resolve_row<S>(p, token, lane, t)) return;
+  if constexpr (!kLoadFirst) load_row_and_weight();
   const bool rope_lane = lane >= kRopeFirstLane;
   if (rope_lane) {
     load_widen<kLaneDims, true>(p.freqs + t.position * kRopeDim + (lane - kRopeFirstLane) * kLaneDims, f);
@@ -109,19 +118,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   pdl_wait_dependencies();
   if (token >= p.n) return;
-  RowTarget t;
-  if (!resolve_row<S>(p, token, lane, t)) return;
-
   constexpr size_t kElem = KvFp32 ? 4 : 2;
   constexpr int kRopeFirstIndexerLane = (kIndexerDim - kRopeDim) / kIndexerLaneDims;  // 16
   const char* row = static_cast<const char*>(p.kv.data) + token * p.kv.row_stride * kElem;
   float x[kIndexerLaneDims], w[kIndexerLaneDims], f[kIndexerLaneDims];
-  load_widen4<KvFp32>(row + lane * kIndexerLaneDims * kElem, x);
-  if (p.weight_fp32) {
-    load_widen4<true>(static_cast<const float*>(p.weight) + lane * kIndexerLaneDims, w);
-  } else {
-    load_widen4<false>(static_cast<const uint16_t*>(p.weight) + lane * kIndexerLaneDims, w);
-  }
+  const auto load_row_and_weight = [&] {
+    load_widen4<KvFp32>(row + lane * kIndexerLaneDims * kElem, x);
+    if (p.weight_fp32) {
+      load_widen4<true>(static_cast<const float*>(p.weight) + lane * kIndexerLaneDims, w);
+    } else {
+      load_widen4<false>(static_cast<const uint16_t*>(p.weight) + lane * kIndexerLaneDims, w);
+    }
+  };
+  constexpr bool kLoadFirst = loads_before_indices(S);
+  if constexpr (kLoadFirst) load_row_and_weight();
+  RowTarget t;
+  if (!resolve_row<S>(p, token, lane, t)) return;
+  if constexpr (!kLoadFirst) load_row_and_weight();
   const bool rope_lane = lane >= kRopeFirstIndexerLane;
   if (rope_lane) {
     load_widen4<true>(p.freqs + t.position * kRopeDim + (lane - kRopeFirstIndexerLane) * kIndexerLaneDims, f);

@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatio
   if (slot >= 0) store_latent_lane<L>(p, lane, v, f, slot);
 }
 
-// Every row that does anything needs its own (kv, score) values, so their loads are issued before lane
-// 0's index loads; only an odd row's partner load waits for the indices.
+// Every row that does anything needs its own (kv, score) values, so their loads (and the weight's) are
+// issued before lane 0's index loads; only an odd row's partner and table loads wait for the indices.
 template <KVLayout L>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) c2_decode_or_verify_kernel(LowRatioParams p) {
   const int lane = threadIdx.x & 31;
@@ -130,6 +130,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c2_decode_or_verify_kerne
   float kv[kLaneDims], score[kLaneDims];
   load_widen<kLaneDims, true>(row + dim, kv);
   load_widen<kLaneDims, true>(row + kMainDim + dim, score);
+  float w[kLaneDims];
+  load_weight_lane(p, lane, w);
   PairRowPlan plan{};
   if (lane == 0) {
     plan = plan_pair_row(token, p.positions[token], p.req_pool_indices[token], p.out_loc[token], p.ring,
@@ -170,8 +172,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c2_decode_or_verify_kerne
       s_even[i] = kPadScore;
     }
   }
-  float w[kLaneDims], f[kLaneDims] = {};
-  load_weight_lane(p, lane, w);
+  float f[kLaneDims] = {};
   if (slot >= 0 && lane >= kRopeFirstLane) load_table_lane(p, rope_position, lane, f);
   pdl_launch_dependents();
 

@@ -90,12 +90,15 @@ __device__ ScanPair block_exclusive_scan(ScanPair v, ScanPair& total) {
   return ScanPair{base.x + inc.x - v.x, base.y + inc.y - v.y};
 }
 
-// What the emitters need per request: the §3.3 inputs and the first plan row of each plan.
+// What the emitters need per request: the §3.3 inputs, the first plan row of each plan, and the
+// request id (loaded by the scan together with the lengths, so that an emitter's state-slot lookup is
+// its only dependent load).
 struct RequestStarts {
   int32_t start_c, start_w;
   int32_t seq_len, extend_len;  // as planned (clamped into int32)
   int32_t off;                  // ragged offset, saturated at num_q_tokens (a request past it plans nothing)
-  int32_t pad_[3];
+  int32_t pad_;
+  int64_t rid;                  // req_pool_indices[b]
 };
 
 struct ScanCarry {
@@ -109,6 +112,7 @@ __device__ RequestStarts scan_tile(const PrefillPlanParams& p, int64_t base, Sca
   const bool live = b < p.batch;
   const int64_t L = live ? planned_seq_len(p.seq_lens[b]) : 0;
   const int64_t E = live ? planned_extend_len(p.extend_lens[b]) : 0;
+  const int64_t rid = live ? p.req_pool_indices[b] : 0;
   ScanPair total;
   const ScanPair ex_off = block_exclusive_scan(ScanPair{E, 0}, total);
   const long long off = carry.off + ex_off.x;
@@ -122,6 +126,7 @@ __device__ RequestStarts scan_tile(const PrefillPlanParams& p, int64_t base, Sca
   s.seq_len = int32_t(L);
   s.extend_len = int32_t(E);
   s.off = int32_t(off < p.geometry.num_q_tokens ? off : p.geometry.num_q_tokens);
+  s.rid = rid;
   carry.c += total.x;
   carry.w += total.y;
   return s;
@@ -149,7 +154,7 @@ __device__ void emit_rows(const PrefillPlanParams& p, const RequestStarts* start
       const RequestStarts s = starts[b];
       const RequestPlan rp = plan_request(p.geometry, s.seq_len, s.extend_len, s.off);
       e = compress_entry_stage0(p.geometry, rp, row - s.start_c, b);
-      finalize_compress_entry(e, p.req_pool_indices[b], p.lookup, p.geometry.ratio);
+      finalize_compress_entry(e, s.rid, p.lookup, p.geometry.ratio);
     }
     store_entry(p.plan_c + row, e);
   }
@@ -160,7 +165,7 @@ __device__ void emit_rows(const PrefillPlanParams& p, const RequestStarts* start
       const RequestStarts s = starts[b];
       const RequestPlan rp = plan_request(p.geometry, s.seq_len, s.extend_len, s.off);
       e = write_entry_stage0(p.geometry, rp, row - s.start_w, b);
-      finalize_write_entry(e, p.req_pool_indices[b], p.lookup);
+      finalize_write_entry(e, s.rid, p.lookup);
     }
     store_entry(p.plan_w + row, e);
   }
