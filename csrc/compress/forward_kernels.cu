@@ -1,6 +1,8 @@
 // CUDA kernels of compress_forward. c4: one thread per 4 channels of an entry (D/4 threads), all 8
-// window slots in registers. c128: a block per (rows, 128-channel chunk); its 8 warps each pool a
-// 16-slot slice online, merged with a max-rescaled reduction. Prefill writes run in a second launch.
+// window slots in registers. c128: a block per (rows, 32-channel chunk), so that one window's 512 KiB
+// of ring rows is read by 16 blocks on 16 SMs; its 256 threads pool 4 slots each online (8 lanes x 4
+// channels cover a slot's chunk), merged with max-rescaled reductions in a fixed order. Prefill
+// writes run in a second launch.
 #include "forward_launch.h"
 #include "dsv4/launch.cuh"
 #include "dsv4/quant.cuh"
@@ -10,14 +12,15 @@ namespace dsv4 {
 namespace {
 
 constexpr int kC4Threads = 128;
-constexpr int kC128Slices = 8;                      // one warp per slice of the window
-constexpr int kC128Chunk = 128;                     // channels per block: 32 lanes x 4
-constexpr int kC128Threads = 32 * kC128Slices;
-constexpr int kC128MaxRowsPerBlock = 8;
-// Slots whose loads are in flight together (mixed state / input dtypes hold both rows' registers).
-template <bool InBf16, bool StBf16>
-constexpr int kC128Group = InBf16 == StBf16 ? 8 : 4;
+constexpr int kC128Threads = 256;
+constexpr int kC128Chunk = 32;                                    // channels per block
+constexpr int kC128LanesPerSlot = kC128Chunk / 4;                 // 8 lanes x 4 channels
+constexpr int kC128Partials = kC128Threads / kC128LanesPerSlot;   // 32 slices of the window
+constexpr int kC128SlotsPerThread = 128 / kC128Partials;          // 4, all loaded before the first use
+constexpr int kC128MergeGroups = kC128Threads / kC128Chunk;       // first merge level: 8 x 4 partials
+constexpr int kC128MaxRowsPerBlock = 16;
 constexpr int kC128ItemsPerRow = 2 * kC128Chunk / 4;  // float4 items of a row's (kv, s) chunk
+static_assert(kC128MaxRowsPerBlock * kC128ItemsPerRow == kC128Threads, "one decode copy item per thread");
 constexpr int kWriteWarps = 8;
 
 __device__ __forceinline__ float4 neg_inf4() {
@@ -191,71 +194,86 @@ struct OnlineSoftmax {
   }
 };
 
+// Partial (max, Σ exp(s − max), Σ v·exp(s − max)) per slice and channel, and after the first merge
+// level per group of kC128Partials / kC128MergeGroups slices.
 struct C128Merge {
-  float m[kC128Slices][kC128Chunk];
-  float l[kC128Slices][kC128Chunk];
-  float a[kC128Slices][kC128Chunk];
+  float m[kC128Partials][kC128Chunk], l[kC128Partials][kC128Chunk], a[kC128Partials][kC128Chunk];
+  float m2[kC128MergeGroups][kC128Chunk], l2[kC128MergeGroups][kC128Chunk], a2[kC128MergeGroups][kC128Chunk];
 };
 
-// c128: the block's 128-channel chunk [chunk, chunk + 128) of one window. Warp `slice` pools slots
-// [16·slice, 16·slice + 16) online, then warp 0 merges the 8 partials in slice order (deterministic).
-// Every thread of the block must call it; the result is valid in warp 0.
+// Merges partials [first, first + n) of channel ch in index order (pad-only partials skipped).
+__device__ __forceinline__ OnlineSoftmax merge_partials(const float (*m)[kC128Chunk], const float (*l)[kC128Chunk],
+                                                        const float (*a)[kC128Chunk], int first, int n, int ch) {
+  const float kNegInf = __int_as_float(0xFF800000);
+  float mx = kNegInf;
+  for (int s = first; s < first + n; ++s) mx = m[s][ch] > mx ? m[s][ch] : mx;
+  OnlineSoftmax r{mx, 0.f, 0.f};
+  if (mx == kNegInf) return r;
+  for (int s = first; s < first + n; ++s) {
+    if (m[s][ch] == kNegInf) continue;
+    const float scale = expf(m[s][ch] - mx);
+    r.l += l[s][ch] * scale;
+    r.a += a[s][ch] * scale;
+  }
+  return r;
+}
+
+// c128: the block's 32-channel chunk [chunk, chunk + 32) of one window. Thread t pools slots
+// [4·(t / 8), 4·(t / 8) + 4) on channels chunk + 4·(t % 8) + [0, 4); the 32 partials of a channel are
+// merged in two fixed-order levels (8 groups of 4, then the 8 groups). Every thread of the block must
+// call it; the result is valid in threads 0..7 (4 channels each).
 template <bool InBf16, bool StBf16, bool Vec>
 __device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t chunk, C128Merge& merge) {
-  constexpr int kSlots = 128 / kC128Slices;
-  const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
-  const int64_t c = chunk + 4 * lane;
+  const int partial = threadIdx.x / kC128LanesPerSlot, quad = threadIdx.x % kC128LanesPerSlot;
+  const int64_t c = chunk + 4 * quad;
   const int64_t pages = p.state_rows / 128;
+  SlotLoads<InBf16, StBf16> l[kC128SlotsPerThread];
+#pragma unroll
+  for (int i = 0; i < kC128SlotsPerThread; ++i) {
+    l[i] = issue_slot<128, InBf16, StBf16, Vec>(p, w, partial * kC128SlotsPerThread + i, c, pages);
+  }
   OnlineSoftmax st[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) st[j] = OnlineSoftmax{__int_as_float(0xFF800000), 0.f, 0.f};
-  // Groups of kGroup slots: every load of a group is issued before the first use.
-#pragma unroll 1
-  for (int i0 = 0; i0 < kSlots; i0 += kC128Group<InBf16, StBf16>) {
-    SlotLoads<InBf16, StBf16> l[kC128Group<InBf16, StBf16>];
 #pragma unroll
-    for (int i = 0; i < kC128Group<InBf16, StBf16>; ++i) {
-      l[i] = issue_slot<128, InBf16, StBf16, Vec>(p, w, slice * kSlots + i0 + i, c, pages);
-    }
-#pragma unroll
-    for (int i = 0; i < kC128Group<InBf16, StBf16>; ++i) {
-      float4 value, score;
-      l[i].resolve(value, score);
-      st[0].add(score.x, value.x);
-      st[1].add(score.y, value.y);
-      st[2].add(score.z, value.z);
-      st[3].add(score.w, value.w);
-    }
+  for (int i = 0; i < kC128SlotsPerThread; ++i) {
+    float4 value, score;
+    l[i].resolve(value, score);
+    st[0].add(score.x, value.x);
+    st[1].add(score.y, value.y);
+    st[2].add(score.z, value.z);
+    st[3].add(score.w, value.w);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    merge.m[slice][4 * lane + j] = st[j].m;
-    merge.l[slice][4 * lane + j] = st[j].l;
-    merge.a[slice][4 * lane + j] = st[j].a;
+    merge.m[partial][4 * quad + j] = st[j].m;
+    merge.l[partial][4 * quad + j] = st[j].l;
+    merge.a[partial][4 * quad + j] = st[j].a;
   }
   __syncthreads();
-  float out[4] = {0.f, 0.f, 0.f, 0.f};
-  if (slice == 0) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int ch = 4 * lane + j;
-      float m = merge.m[0][ch];
-#pragma unroll
-      for (int s = 1; s < kC128Slices; ++s) m = merge.m[s][ch] > m ? merge.m[s][ch] : m;
-      if (m == __int_as_float(0xFF800000)) continue;
-      float l = 0.f, a = 0.f;
-#pragma unroll
-      for (int s = 0; s < kC128Slices; ++s) {
-        if (merge.m[s][ch] == __int_as_float(0xFF800000)) continue;
-        const float scale = expf(merge.m[s][ch] - m);
-        l += merge.l[s][ch] * scale;
-        a += merge.a[s][ch] * scale;
-      }
-      out[j] = a / l;
-    }
+  {  // first level: thread (group, ch) merges its group's partials of channel ch
+    constexpr int kPerGroup = kC128Partials / kC128MergeGroups;
+    const int group = threadIdx.x / kC128Chunk, ch = threadIdx.x % kC128Chunk;
+    const OnlineSoftmax g = merge_partials(merge.m, merge.l, merge.a, group * kPerGroup, kPerGroup, ch);
+    merge.m2[group][ch] = g.m;
+    merge.l2[group][ch] = g.l;
+    merge.a2[group][ch] = g.a;
+  }
+  __syncthreads();
+  float out = 0.f;
+  if (threadIdx.x < kC128Chunk) {  // second level: one channel per thread of warp 0
+    const OnlineSoftmax r = merge_partials(merge.m2, merge.l2, merge.a2, 0, kC128MergeGroups, threadIdx.x);
+    if (r.m != __int_as_float(0xFF800000)) out = r.a / r.l;
   }
   __syncthreads();  // `merge` is reused by the next window
-  return make_float4(out[0], out[1], out[2], out[3]);
+  // Gather channels 4·lane .. 4·lane + 3 into lanes 0..7 for one vector store.
+  const int lane = threadIdx.x & 31;
+  float4 v;
+  v.x = __shfl_sync(0xFFFFFFFFu, out, (4 * lane) & 31);
+  v.y = __shfl_sync(0xFFFFFFFFu, out, (4 * lane + 1) & 31);
+  v.z = __shfl_sync(0xFFFFFFFFu, out, (4 * lane + 2) & 31);
+  v.w = __shfl_sync(0xFFFFFFFFu, out, (4 * lane + 3) & 31);
+  return v;
 }
 
 // ---- c4 ----
@@ -311,43 +329,36 @@ template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams p, int rows_per_block) {
   __shared__ DecodeEntry entries[kC128MaxRowsPerBlock];
   __shared__ C128Merge merge;
-  constexpr int kItems = kC128MaxRowsPerBlock * kC128ItemsPerRow / kC128Threads;
   const int64_t D = p.head_dim;
   const int64_t first = int64_t(blockIdx.x) * rows_per_block;
   const int64_t chunk = int64_t(blockIdx.y) * kC128Chunk;
-  const int lane = threadIdx.x & 31;
   pdl_wait_dependencies();
   if (threadIdx.x < rows_per_block && first + threadIdx.x < p.plan_rows) {
     entries[threadIdx.x] = load_decode_entry(p.plan + (first + threadIdx.x) * kPlanRowBytes);
   }
+  // This thread's copy item: row r, the kv (half 0) or s (half 1) part of the chunk, 4 channels.
   // Input loads do not depend on the plan: issue them before the barrier.
-  float4 item[kItems];
-#pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int idx = threadIdx.x + i * kC128Threads;
-    const int r = idx / kC128ItemsPerRow;
-    const int64_t col = ((idx / 32) % 2) * D + chunk + 4 * (idx % 32);
-    if (r < rows_per_block && first + r < p.plan_rows) item[i] = load4<InBf16, Vec>(p.input, (first + r) * p.input_stride + col);
-  }
+  const int r_item = threadIdx.x / kC128ItemsPerRow;
+  const int half = (threadIdx.x / kC128LanesPerSlot) % 2;
+  const int64_t col = half * D + chunk + 4 * (threadIdx.x % kC128LanesPerSlot);
+  const bool has_item = r_item < rows_per_block && first + r_item < p.plan_rows;
+  float4 item = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (has_item) item = load4<InBf16, Vec>(p.input, (first + r_item) * p.input_stride + col);
   __syncthreads();
   // The writes go to the ring rows of the current positions, which no window of this call reads
   // (each takes its current token from the input), so they may precede the pooling.
-#pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int idx = threadIdx.x + i * kC128Threads;
-    const int r = idx / kC128ItemsPerRow;
-    if (r >= rows_per_block || first + r >= p.plan_rows) continue;
-    const DecodeEntry e = entries[r];
-    if (e.seq_len == kInvalidPlanWord || !writable_state_row(e.write_loc, p.state_rows, 128)) continue;
-    const int64_t col = ((idx / 32) % 2) * D + chunk + 4 * (idx % 32);
-    store4<StBf16, Vec>(p.state, int64_t(e.write_loc) * 2 * D + col, item[i]);
+  if (has_item) {
+    const DecodeEntry e = entries[r_item];
+    if (e.seq_len != kInvalidPlanWord && writable_state_row(e.write_loc, p.state_rows, 128)) {
+      store4<StBf16, Vec>(p.state, int64_t(e.write_loc) * 2 * D + col, item);
+    }
   }
   for (int r = 0; r < rows_per_block && first + r < p.plan_rows; ++r) {
     const int64_t b = first + r;
     const PoolWindow w = decode_window(entries[r], b, 128);
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
     if (w.emits) out = pool_c128<InBf16, StBf16, Vec>(p, w, chunk, merge);  // block-uniform branch
-    if (threadIdx.x < 32) store4<InBf16, Vec>(p.out, b * D + chunk + 4 * lane, out);
+    if (threadIdx.x < kC128LanesPerSlot) store4<InBf16, Vec>(p.out, b * D + chunk + 4 * threadIdx.x, out);
   }
   pdl_launch_dependents();
 }
@@ -359,14 +370,13 @@ __global__ void __launch_bounds__(kC128Threads) c128_prefill_kernel(ForwardParam
   const int64_t D = p.head_dim;
   const int64_t first = int64_t(blockIdx.x) * rows_per_block;
   const int64_t chunk = int64_t(blockIdx.y) * kC128Chunk;
-  const int lane = threadIdx.x & 31;
   pdl_wait_dependencies();
   for (int r = 0; r < rows_per_block && first + r < p.plan_rows; ++r) {
     const int64_t k = first + r;
     const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
     if (w.emits) out = pool_c128<InBf16, StBf16, Vec>(p, w, chunk, merge);  // block-uniform branch
-    if (threadIdx.x < 32) store4<InBf16, Vec>(p.out, k * D + chunk + 4 * lane, out);
+    if (threadIdx.x < kC128LanesPerSlot) store4<InBf16, Vec>(p.out, k * D + chunk + 4 * threadIdx.x, out);
   }
   pdl_launch_dependents();
 }
