@@ -88,7 +88,10 @@ def store_indexer(x, cache, slots, page_size, use_fp4):
     else:
         s = x.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
         rows = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-        scales = s.reshape(-1).view(torch.uint8).view(-1, 4)
+        # The fp32 scale's little-endian bytes, by shifts: a float -> uint8 view does not lower in
+        # inductor when the scale column has stride 0.
+        bits = s.reshape(-1).view(torch.int32)
+        scales = torch.stack([(bits >> (8 * k)) & 0xFF for k in range(4)], -1).to(torch.uint8)
     valid = (slots >= 0) & (slots < cache.shape[0] * page_size)
     slots = torch.where(valid, slots, 0)
     data, scale = _page_views(cache, page_size, data_bytes, scale_bytes)
