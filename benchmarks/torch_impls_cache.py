@@ -64,16 +64,25 @@ def quantize_main(x, layout):
     return _pack_nibbles(codes), scale.view(torch.uint8)
 
 
+def _write_rows(cache, slots, page_size, data_bytes, scale_bytes, data_rows, scale_rows):
+    """Writes each row's data and scale bytes into its page with one index_put_ on the cache itself:
+    inductor updates a graph input in place only when it is mutated directly (a mutated view of it is
+    copied back whole, 256 MB per call here). A skipped slot rewrites slot 0's bytes with themselves."""
+    valid = (slots >= 0) & (slots < cache.shape[0] * page_size)
+    safe = torch.where(valid, slots, 0)
+    page, r = (safe // page_size)[:, None], (safe % page_size)[:, None]
+    data_cols = r * data_bytes + torch.arange(data_bytes, device=cache.device)
+    scale_cols = page_size * data_bytes + r * scale_bytes + torch.arange(scale_rows.shape[1], device=cache.device)
+    cols = torch.cat([data_cols, scale_cols], 1)
+    new = torch.cat([data_rows, scale_rows], 1)
+    cache.index_put_((page, cols), torch.where(valid[:, None], new, cache[page, cols]))
+
+
 def store_main(x, cache, slots, page_size, layout):
     data_bytes, scale_bytes, _ = MAIN[layout]
     data_rows, scales = quantize_main(x, layout)
-    valid = (slots >= 0) & (slots < cache.shape[0] * page_size)
-    slots = torch.where(valid, slots, 0)
-    data, scale = _page_views(cache, page_size, data_bytes, scale_bytes)
-    page, r = slots // page_size, slots % page_size
-    data[page, r] = torch.where(valid[:, None], data_rows, data[page, r])
     used = 7 if layout == 0 else scale_bytes
-    scale[page, r, :used] = torch.where(valid[:, None], scales[:, :used], scale[page, r, :used])
+    _write_rows(cache, slots, page_size, data_bytes, scale_bytes, data_rows, scales[:, :used])
 
 
 def store_indexer(x, cache, slots, page_size, use_fp4):
@@ -92,12 +101,7 @@ def store_indexer(x, cache, slots, page_size, use_fp4):
         # inductor when the scale column has stride 0.
         bits = s.reshape(-1).view(torch.int32)
         scales = torch.stack([(bits >> (8 * k)) & 0xFF for k in range(4)], -1).to(torch.uint8)
-    valid = (slots >= 0) & (slots < cache.shape[0] * page_size)
-    slots = torch.where(valid, slots, 0)
-    data, scale = _page_views(cache, page_size, data_bytes, scale_bytes)
-    page, r = slots // page_size, slots % page_size
-    data[page, r] = torch.where(valid[:, None], rows, data[page, r])
-    scale[page, r] = torch.where(valid[:, None], scales, scale[page, r])
+    _write_rows(cache, slots, page_size, data_bytes, scale_bytes, rows, scales)
 
 
 def dequantize(cache, slots, page_size, layout):
