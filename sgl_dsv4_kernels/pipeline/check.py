@@ -6,7 +6,7 @@ prints them.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -68,12 +68,13 @@ def _metadata_items(result: StepResult, expected) -> list:
     return items
 
 
-def live_slots(layer: KVLayer, pool: RequestPool):
-    """Slots holding committed tokens: (sliding-window slots, compressed-cache slots) of every live request
-    (metadata.md §1.1: the token closing a group of r writes compressed slot raw_slot // r)."""
+def live_slots(layer: KVLayer, pool: RequestPool, lengths: Dict[int, int]):
+    """Slots holding the committed tokens of requests of ``lengths`` (rid -> tokens): (sliding-window slots,
+    compressed-cache slots); the token closing a group of r writes compressed slot raw_slot // r
+    (metadata.md §1.1)."""
     r = layer.spec.ratio
     swa, compressed = [], []
-    for rid, length in pool.lengths.items():
+    for rid, length in lengths.items():
         if length == 0:
             continue
         swa.append(pool.swa_slots(rid, range(length)))
@@ -84,15 +85,19 @@ def live_slots(layer: KVLayer, pool: RequestPool):
 
 
 def _dequantized_equal(cache, ref_cache, slots, page_size, layout) -> Check:
-    got = dequantize_k_cache_paged(cache, slots.to(cache.device), page_size, layout=layout).cpu()
-    want = reference_dequantize(ref_cache, slots, page_size, layout=int(layout))
-    written = bool(torch.all(got.view(-1, 512).abs().amax(dim=1) > 0)) if slots.numel() else True
-    ok = torch.equal(got.view(torch.int16), want.view(torch.int16)) and written
-    return Check("", ok, f"{slots.numel()} rows" + ("" if written else ", some live row is all zero"))
+    got = dequantize_k_cache_paged(cache, slots.to(cache.device), page_size, layout=layout).cpu().view(-1, 512)
+    want = reference_dequantize(ref_cache, slots, page_size, layout=int(layout)).view(-1, 512)
+    differing = int((got.view(torch.int16) != want.view(torch.int16)).any(dim=1).sum())
+    blank = int((got.float().abs().amax(dim=1) == 0).sum()) if slots.numel() else 0  # a live row never written
+    detail = f"{slots.numel()} rows" + (f", {differing} differ" if differing else "") + \
+        (f", {blank} all zero" if blank else "")
+    return Check("", differing == 0 and blank == 0, detail)
 
 
 def compare_with_reference(layer: KVLayer, result: StepResult, ref: ReferenceLayer, expected: ReferenceStep,
-                           pool: RequestPool) -> List[Check]:
+                           pool: RequestPool, lengths: Dict[int, int]) -> List[Check]:
+    """Everything a step produced against the reference model's step; ``lengths``: committed tokens of the
+    live requests once this step's accepted tokens count."""
     spec = layer.spec
     d = _first_difference(_metadata_items(result, expected))
     checks = [Check("metadata", not d, d)]
@@ -100,9 +105,10 @@ def compare_with_reference(layer: KVLayer, result: StepResult, ref: ReferenceLay
     if spec.ratio in (4, 128):
         err = _close(result.compressed, expected.compressed, POOLED_TOL)
         if spec.has_indexer:
-            err += _close(result.indexer_compressed, expected.indexer_compressed, POOLED_TOL)
+            err += " " + _close(result.indexer_compressed, expected.indexer_compressed, POOLED_TOL)
     else:
         err = _close(result.compressed, expected.compressed, LATENT_TOL)
+    err = err.strip()
     checks.append(Check("compressor output", not err, err))
     # Cache and state bytes, exactly; page 0 / owner 0 belong to padded rows (unspecified contents).
     checks.append(_caches_equal(layer.caches, ref.caches, layer.ring))
@@ -113,7 +119,7 @@ def compare_with_reference(layer: KVLayer, result: StepResult, ref: ReferenceLay
         intact = bool(torch.all(pad[:, :score.start] == 0)) and bool(torch.all(pad[:, score] == float("-inf")))
         checks.append(Check("state pad page", intact))
     # The live rows read back through the dequantizer.
-    swa_slots, compressed_slots = live_slots(layer, pool)
+    swa_slots, compressed_slots = live_slots(layer, pool, lengths)
     c = _dequantized_equal(layer.caches.swa, ref.caches.swa, swa_slots, layer.geometry.swa_page_size,
                            spec.swa_layout)
     checks.append(Check("dequantized SWA rows", c.ok, c.detail))

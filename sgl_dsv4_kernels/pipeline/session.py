@@ -104,7 +104,9 @@ def run_session(kinds: Iterable[LayerKind], device="cpu", *, decode_mode: str = 
                 stored = (result.compressed.cpu(),
                           None if result.indexer_compressed is None else result.indexer_compressed.cpu())
                 expected = d.reference.step(batch, inputs, rows, pool.req_to_token, pool.full_to_swa, stored)
-                report.checks += compare_with_reference(d.layer, result, d.reference, expected, pool)
+                lengths = {**pool.lengths, **{rid: prefix + accepted for rid, prefix, accepted
+                                              in zip(batch.rids, batch.prefix_lens, batch.committed)}}
+                report.checks += compare_with_reference(d.layer, result, d.reference, expected, pool, lengths)
             reports.append(report)
             if on_step is not None:
                 on_step(report)
