@@ -152,10 +152,11 @@ class StepMetadata:
         meta = StepMetadata(page=M.PageTablePositions(i32(n), i32(n), i32(n, pages), i32(n)), swa_loc=i64(n))
         if spec.ratio in (4, 128):
             # c128 layers attend to every compressed entry through page indices of width
-            # ceil(2 * pages / 64) * 64 (cps = 256 / 128; metadata.md §5).
+            # ceil(2 * pages / 64) * 64 (cps = 256 / 128; metadata.md §5); c4 layers need none (width 0,
+            # preallocated too so that the wrapper allocates nothing).
             width = -(-2 * pages // 64) * 64 if spec.ratio == 128 else 0
             meta.compression = M.CompressionMetadata(i64(n), i32(n), i32(n), i32(n), i64(n), i32(n), i32(n), i32(n),
-                                                     i32(n, width) if width else None)
+                                                     i32(n, width))
             u8 = dict(dtype=torch.uint8, device=device)
             if is_decode:
                 meta.plan = C.CompressPlan(torch.empty(num_requests, 16, **u8), None, spec.ratio, True)

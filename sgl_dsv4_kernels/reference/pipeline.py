@@ -93,7 +93,7 @@ class ReferenceLayer:
         page = result.page
         cm = init_compression_metadata(x.token_seq_lens, page.positions_casual, x.token_locs, page.page_table,
                                        FULL_PAGE_SIZE, compute_page_indices=r == 128)
-        result.compression = CompressionMetadata(*cm[:8], cm[8] if r == 128 else None)
+        result.compression = CompressionMetadata(*cm)  # c4: page indices of width 0, as the driver's buffer
         sps = self.sps if paged else 0
         if batch.is_decode:
             plan = plan_compress_decode(x.req_rids, x.req_seq_lens, r2t, f2s if paged else None, r, sps, self.ring,
