@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from ..kv_layout import IndexerFormat, KVLayout
+from ..kv_layout import KVLayout
 
 FULL_PAGE_SIZE = 256  # tokens per full-KV page; DSV4 hard-wires it (metadata.md §1.1)
 SWA_WINDOW = 128  # sliding-window length (metadata.md §1.1)
@@ -69,11 +69,6 @@ KIND_SPECS = {
 
 INDEXER_DIM = 128
 INDEXER_PROJECTION_WIDTH = 4 * INDEXER_DIM  # the C4 indexer compressor's (kv_ov, kv, s_ov, s) row
-
-
-def default_indexer_format() -> IndexerFormat:
-    """V4 keeps the fp8 indexer cache of DeepSeek-V3.2 (132 B/token); fp4 (68 B) is selectable per layer."""
-    return IndexerFormat.FP8
 
 
 def state_ring(kind: LayerKind, verify_width: int) -> Optional[int]:

@@ -196,6 +196,7 @@ class KVLayer:
         self.ring = state_ring(kind, verify_width)
         if self.spec.ratio in (4, 128):  # the startup guard of every c4/c128 layer (compressors.md §2.1)
             C.check_ring_serves_draft_tokens(self.spec.ratio, self.ring, max(verify_width, 1))
+        # The fp8 indexer cache of DeepSeek-V3.2 (132 B/token) unless fp4 (68 B) is asked for.
         self.indexer_format = indexer_format if indexer_format is not None else IndexerFormat.FP8
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
