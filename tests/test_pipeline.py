@@ -69,6 +69,13 @@ def test_every_step_matches_the_reference_model(device, kind):
             "dequantized compressed rows"} <= names
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_c4_layer_with_the_fp4_indexer_cache(device):
+    reports = run_session([LayerKind.V4_C4], device, schedule=default_schedule()[:16],
+                          indexer_format=dsv4.IndexerFormat.FP4)
+    assert not failures(reports), "\n".join(failures(reports)[:20])
+
+
 def test_reference_model_detects_a_shifted_rope_position(monkeypatch):
     """The comparison is not vacuous: a driver that rotates the sliding-window K one position late fails."""
     original = layer_module.fused_k_norm_rope_flashmla

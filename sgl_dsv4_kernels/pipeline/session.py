@@ -10,6 +10,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
+from ..kv_layout import IndexerFormat
 from ..reference.pipeline import ReferenceLayer
 from .check import Check, compare_twins, compare_with_reference
 from .kinds import LayerKind
@@ -36,11 +37,12 @@ class StepReport:
 class _Driven:
     """One layer kind in the session: the layer under test, its reference and its eager twin."""
 
-    def __init__(self, kind, pool, device, decode_mode, with_reference, num_sms, seed):
+    def __init__(self, kind, pool, device, decode_mode, with_reference, num_sms, seed, indexer_format):
         geometry = pool.geometry
         weights = LayerWeights.random(kind, geometry.max_tokens, torch.Generator().manual_seed(seed + 7))
         tables = (pool.device_req_to_token, pool.device_full_to_swa)
-        kw = dict(decode_batch=DECODE_BATCH, verify_width=VERIFY_WIDTH, num_sms=num_sms, device=device)
+        kw = dict(decode_batch=DECODE_BATCH, verify_width=VERIFY_WIDTH, num_sms=num_sms, device=device,
+                  indexer_format=indexer_format)
         self.kind, self.decode_mode = kind, decode_mode
         self.layer = KVLayer(kind, geometry, weights, tables, **kw)
         self.twin = KVLayer(kind, geometry, weights, tables, **kw) if decode_mode != "eager" else None
@@ -69,7 +71,7 @@ def _synchronize(device: torch.device) -> None:
 
 def run_session(kinds: Iterable[LayerKind], device="cpu", *, decode_mode: str = "eager", with_reference: bool = True,
                 seed: int = 0, num_sms: int = 132, on_step: Optional[Callable[[StepReport], None]] = None,
-                schedule=None) -> List[StepReport]:
+                schedule=None, indexer_format: Optional[IndexerFormat] = None) -> List[StepReport]:
     """Drives every kind through ``schedule`` (default: the 52-step session) and returns one report per
     (step, kind). ``decode_mode`` != "eager" also runs an eager twin and compares it bit for bit."""
     if decode_mode not in DECODE_MODES:
@@ -77,8 +79,8 @@ def run_session(kinds: Iterable[LayerKind], device="cpu", *, decode_mode: str = 
     device = torch.device(device)
     pool = RequestPool(default_geometry(), device=device, seed=seed)
     scenario = Scenario(pool, default_schedule() if schedule is None else schedule, seed=seed)
-    driven: Dict[LayerKind, _Driven] = {k: _Driven(k, pool, device, decode_mode, with_reference, num_sms, seed)
-                                        for k in kinds}
+    driven: Dict[LayerKind, _Driven] = {
+        k: _Driven(k, pool, device, decode_mode, with_reference, num_sms, seed, indexer_format) for k in kinds}
     reports = []
     for index, batch in enumerate(scenario.steps()):
         inputs = pool.step_inputs(batch)
