@@ -1,7 +1,9 @@
 """Command line: ``python -m sgl_dsv4_kernels {info,selftest,bench}``.
 
 selftest writes random KV rows into every cache format on the GPU (the CPU when there is none),
-reads them back, compares with the pure-torch reference and prints a pass/fail table.
+reads them back, compares with the pure-torch reference and prints a pass/fail table. With
+``--pipeline`` it then drives one layer of each kind through a 52-step serving session beside the
+reference model (sgl_dsv4_kernels.pipeline), printing per-step times and a pass/fail table.
 """
 from __future__ import annotations
 
@@ -89,6 +91,42 @@ def selftest(device: torch.device, rows: int, page_size: int) -> int:
     return 1 if failures else 0
 
 
+def pipeline_selftest(device: torch.device, decode_mode: str) -> int:
+    """The serving session of sgl_dsv4_kernels.pipeline for every layer kind, checked after every step."""
+    from sgl_dsv4_kernels.pipeline import LayerKind, run_session
+
+    kinds = list(LayerKind)
+    if decode_mode == "auto":
+        decode_mode = "graph" if device.type == "cuda" else "eager"
+    print(f"\npipeline selftest on {device}: one layer per kind, decode steps {decode_mode}"
+          + (" (beside an eager twin)" if decode_mode != "eager" else "") + ", checked against the reference model")
+    print(f"{'step':>4s} {'mode':8s} {'reqs':>4s} {'tokens':>6s}  " + "  ".join(f"{k.value:>16s}" for k in kinds))
+    row = {}
+    outcomes = {}  # (kind, check) -> [passed steps, failed steps]
+
+    def on_step(report):
+        row[report.kind] = f"{report.seconds * 1e6:9.0f} us {'PASS' if report.ok else 'FAIL'}"
+        for check in report.checks:
+            outcomes.setdefault((report.kind, check.name), [0, 0])[0 if check.ok else 1] += 1
+            if not check.ok:
+                print(f"     FAIL {report.kind.value} {check.name}: {check.detail}")
+        if len(row) == len(kinds):
+            b = report.batch
+            print(f"{report.index:4d} {b.mode:8s} {len(b.rids):4d} {b.num_tokens:6d}  "
+                  + "  ".join(f"{row[k]:>16s}" for k in kinds))
+            row.clear()
+
+    run_session(kinds, device, decode_mode=decode_mode, on_step=on_step)
+    print(f"\n{'layer':10s} {'check':30s} {'result':6s} steps")
+    failed = 0
+    for (kind, name), (passed, bad) in outcomes.items():
+        failed += bad > 0
+        print(f"{kind.value:10s} {name:30s} {'PASS' if not bad else 'FAIL':6s} {passed + bad}"
+              + (f" ({bad} failed)" if bad else ""))
+    print("pipeline selftest: " + ("all passed" if not failed else f"{failed} checks FAILED"))
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sgl_dsv4_kernels")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,13 +135,22 @@ def main(argv=None) -> int:
     st.add_argument("--device", default="auto", help="auto (GPU if present), cpu or cuda")
     st.add_argument("--rows", type=int, default=333)
     st.add_argument("--page-size", type=int, default=64)
-    bench = sub.add_parser("bench", help="run the benchmarks (GPU only)")
-    bench.add_argument("--only", default="")
+    st.add_argument("--pipeline", action="store_true",
+                    help="also drive one layer of each kind through a serving session beside the reference model")
+    st.add_argument("--decode-mode", default="auto", choices=["auto", "eager", "graph", "compiled"],
+                    help="how --pipeline runs decode steps (auto: CUDA graph on a GPU, eager on the CPU)")
+    bench = sub.add_parser("bench", help="run the benchmarks (GPU only); the pipeline family reports the whole "
+                                         "decode step per layer kind beside the sum of its ops")
+    bench.add_argument("--only", default="", help="comma-separated families of benchmarks/run.py, e.g. pipeline")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
     if args.command == "selftest":
-        return selftest(_device(args.device), args.rows, args.page_size)
+        device = _device(args.device)
+        status = selftest(device, args.rows, args.page_size)
+        if args.pipeline:
+            status |= pipeline_selftest(device, args.decode_mode)
+        return status
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU")
         return 1
