@@ -60,10 +60,8 @@ compression_metadata_kernel(const CompressionParams p) {
 #pragma unroll
     for (int k = 0; k < kColsPerThread; ++k) {
       const int64_t j = c + k;
-      // The page-table load is guarded by the table width only, not by the loaded length, so it
-      // does not wait for the seq_lens load: the two round trips overlap.
-      const int32_t page = j < p.cap ? p.page_table.i32(b, j >> p.cps_bits) : 0;
-      v[k] = j < live && j < p.cap ? paged_slot(page, p.cps_bits, j) : -1;
+      const bool valid = j < live && j < p.cap;
+      v[k] = valid ? paged_slot(p.page_table.i32(b, j >> p.cps_bits), p.cps_bits, j) : -1;
     }
     store_chunk(row, c, p.width, v);
   }

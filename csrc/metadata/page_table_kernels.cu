@@ -56,11 +56,8 @@ fill_all_compressed_indices_kernel(const FillCompressedParams p) {
     for (int k = 0; k < kColsPerThread; ++k) {
       const int64_t col = c + k;
       const int64_t page = col >> p.spp_bits;
-      // Guarded by the table width only (not the loaded length), so it overlaps the lens load.
-      const bool in_table = page < p.page_table.cols;
-      const int32_t id = in_table ? p.page_table.i32(r, page) : 0;
-      const bool valid = col < len && in_table;
-      v[k] = valid ? paged_slot(id, p.spp_bits, col) : -1;
+      const bool valid = col < len && page < p.page_table.cols;
+      v[k] = valid ? paged_slot(p.page_table.i32(r, page), p.spp_bits, col) : -1;
       w[k] = valid ? int32_t(col) : -1;
     }
     store_chunk(pages, c, p.width, v);
