@@ -1,6 +1,7 @@
 // CUDA kernels of the norm + RoPE cache writers: one token per warp, 4 warps per block. Main rows:
-// lane l owns dims [16l, 16l+16) (lanes 28..31 the RoPE tail); indexer rows: dims [4l, 4l+4). Lane 0
-// resolves the row's slot and position (from out_loc/positions or the plan entry).
+// lane l owns dims [16l, 16l+16) (lanes 28..31 the RoPE tail) for the norm and the quantizer, and
+// rotates RoPE pair l; indexer rows: dims [4l, 4l+4). Lane 0 resolves the row's slot and position
+// (from out_loc/positions or the plan entry).
 #include "writers_launch.h"
 #include "dsv4/hadamard.cuh"
 #include "dsv4/launch.cuh"
@@ -9,6 +10,7 @@
 #include "dsv4/rope.cuh"
 #include "dsv4/vec_io.cuh"
 #include "dsv4/warp_quant.cuh"
+#include "dsv4/warp_rope.cuh"
 #include "dsv4/writer_rows.cuh"
 
 namespace dsv4 {
@@ -76,13 +78,14 @@ __device__ __forceinline__ void load_weight(const NormRopeParams& p, int first, 
 // to bf16, rotate the bf16 tail, round again and quantize all 512 values (§1.6).
 template <KVLayout L, bool KvFp32, RowSource S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(NormRopeParams p) {
+  __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
   const int lane = threadIdx.x & 31;
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   pdl_wait_dependencies();
   if (token >= p.n) return;
   constexpr size_t kElem = KvFp32 ? 4 : 2;
   const char* row = static_cast<const char*>(p.kv.data) + token * p.kv.row_stride * kElem;
-  float x[kLaneDims], w[kLaneDims], f[kLaneDims];
+  float x[kLaneDims], w[kLaneDims];
   const auto load_row_and_weight = [&] {
     load_widen<kLaneDims, KvFp32>(row + lane * kLaneDims * kElem, x);
     load_weight<kLaneDims>(p, lane * kLaneDims, w);
@@ -92,21 +95,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(Nor
   RowTarget t;
   if (!resolve_row<S>(p, token, lane, t)) return;
   if constexpr (!kLoadFirst) load_row_and_weight();
-  const bool rope_lane = lane >= kRopeFirstLane;
-  if (rope_lane) {
-    load_widen<kLaneDims, true>(p.freqs + t.position * kRopeDim + (lane - kRopeFirstLane) * kLaneDims, f);
-  }
+  const float2 cs = load_table_pair(p.freqs + t.position * kRopeDim, lane);
   pdl_launch_dependents();
 
   float y[kLaneDims];
   warp_rms_norm<kLaneDims>(x, w, p.eps, y);
-  const bool round_first = L != KVLayout::V4 || (S != RowSource::KWriter && !rope_lane);
+  const bool round_first = L != KVLayout::V4 || (S != RowSource::KWriter && lane < kRopeFirstLane);
   if (round_first) round_lane_to_bf16(y);
-  if (rope_lane) {
-#pragma unroll
-    for (int j = 0; j < kLaneDims; j += 2) rotate_pair(y[j], y[j + 1], f[j], f[j + 1]);
-    if (L != KVLayout::V4) round_lane_to_bf16(y);  // V4 stores the tail as bf16 itself
-  }
+  // V4 stores the rotated fp32 tail as bf16 itself; V41 / V41_FP4 round it here.
+  rotate_tail_across_warp<L != KVLayout::V4>(y, cs, lane, tails[threadIdx.x >> 5]);
   quantize_main_lane<L>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
 }
 

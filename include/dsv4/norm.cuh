@@ -21,10 +21,12 @@ DSV4_HD float rms_group_partial(float* q) {
 }
 
 // r = 1 / sqrt(ss / D + eps): one rounded add, an IEEE square root, then an IEEE division (an
-// approximate rsqrt would change bits). D is a power of two, so ss / D is exact (bar subnormals).
+// approximate rsqrt would change bits). D is a power of two, so the device multiplies by 1 / D
+// instead of dividing: both are the exact ss / D rounded once (also when it is subnormal), so the
+// bits are the same and the warp skips a division sequence.
 DSV4_HD float rms_inverse(float ss, int dim, float eps) {
 #if defined(__CUDA_ARCH__)
-  const float v = __fadd_rn(__fdiv_rn(ss, float(dim)), eps);
+  const float v = __fadd_rn(__fmul_rn(ss, 1.0f / float(dim)), eps);
   return __frcp_rn(__fsqrt_rn(v));
 #else
   const float v = ss / float(dim) + eps;
