@@ -1,6 +1,6 @@
-// CUDA kernels of the ratio-1 and ratio-2 decode compressors: one token per warp, 4 warps per block;
-// lane l owns dims [16l, 16l+16) of the latent, and the same dims of the kv and score halves of a c2
-// row. Lane 0 resolves the row's indices (and c2 ring rows) and broadcasts them by shuffle.
+// CUDA kernels of the ratio-1 and ratio-2 decode compressors. c1: one token per warp, 4 warps per
+// block, lane l owns latent dims [16l, 16l+16). c2: one row per block of 4 warps, which pool the pair
+// 4 dims per thread; warp 0 then normalizes and stores the latent with the same lane layout as c1.
 #include "low_ratio_launch.h"
 #include "dsv4/launch.cuh"
 #include "dsv4/norm.cuh"
@@ -36,16 +36,13 @@ __device__ __forceinline__ void load_table_lane(const LowRatioParams& p, int64_t
 
 // Plain (coherent) loads for the state ring, which this kernel also writes; __ldg is kept for the
 // read-only inputs.
-__device__ __forceinline__ void load_state(const float* src, float* out) {
+__device__ __forceinline__ void load_state4(const float* src, float* out) {
   if (aligned16(src)) {
-#pragma unroll
-    for (int i = 0; i < kLaneDims; i += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(src + i);
-      out[i] = v.x; out[i + 1] = v.y; out[i + 2] = v.z; out[i + 3] = v.w;
-    }
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
   } else {
 #pragma unroll
-    for (int i = 0; i < kLaneDims; ++i) out[i] = src[i];
+    for (int i = 0; i < 4; ++i) out[i] = src[i];
   }
 }
 
@@ -53,9 +50,15 @@ __device__ __forceinline__ uint16_t* latent_lane(const LowRatioParams& p, int64_
   return p.latent + token * kMainDim + lane * kLaneDims;
 }
 
-__device__ __forceinline__ void store_zero_latent(const LowRatioParams& p, int64_t token, int lane) {
-  const uint16_t zeros[kLaneDims] = {};
-  store_u16<kLaneDims>(latent_lane(p, token, lane), zeros);
+// Zeros latent dims [dim, dim + 4) of the row (8 bytes).
+__device__ __forceinline__ void store_zero_latent4(const LowRatioParams& p, int64_t token, int dim) {
+  uint16_t* dst = p.latent + token * kMainDim + dim;
+  if ((reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(0u, 0u);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = 0;
+  }
 }
 
 // latent = bf16(RMSNorm(x) * w) for this lane's 16 dims, written to the output row and returned
@@ -117,74 +120,93 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatio
   if (slot >= 0) store_latent_lane<L>(p, lane, v, f, slot);
 }
 
-// Every row that does anything needs its own (kv, score) values, so their loads (and the weight's) are
-// issued before lane 0's index loads; only an odd row's partner and table loads wait for the indices.
-template <KVLayout L>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) c2_decode_or_verify_kernel(LowRatioParams p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  pdl_wait_dependencies();
-  if (token >= p.n) return;
-  const int dim = lane * kLaneDims;
-  const float* row = static_cast<const float*>(p.kv.data) + token * p.kv.row_stride;
-  float kv[kLaneDims], score[kLaneDims];
-  load_widen<kLaneDims, true>(row + dim, kv);
-  load_widen<kLaneDims, true>(row + kMainDim + dim, score);
-  float w[kLaneDims];
-  load_weight_lane(p, lane, w);
-  PairRowPlan plan{};
-  if (lane == 0) {
-    plan = plan_pair_row(token, p.positions[token], p.req_pool_indices[token], p.out_loc[token], p.ring,
-                         p.cache.capacity(), p.max_pos);
-  }
-  const bool emits = __shfl_sync(kFullMask, int(plan.emits), 0) != 0;
+// c2: one row per block. A single warp spent most of an emitting row issuing the 512 accurate
+// exp + IEEE divisions of pair_pool back to back (decode batches leave about one warp per scheduler,
+// so nothing hides that latency); 128 threads pool 4 dims each instead. Warp 0 then finishes the row
+// exactly like the one-warp kernel did, so the bits are unchanged.
+// The row's (kv, score) and warp 0's weight do not depend on the indices, so their loads are issued
+// before thread 0's index loads; the partner and the RoPE table wait for the plan.
+constexpr int kC2Threads = kWarpsPerBlock * 32;
+constexpr int kC2ThreadDims = kMainDim / kC2Threads;  // 4: one float4 of kv and one of score
+static_assert(kC2ThreadDims == 4, "phase A moves one float4 per half row and thread");
 
-  if (!emits) {
+template <KVLayout L>
+__global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRatioParams p) {
+  __shared__ PairRowPlan row_plan;
+  __shared__ __align__(16) float pooled[kMainDim];
+  const int64_t token = blockIdx.x;  // grid = n blocks
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int dim = threadIdx.x * kC2ThreadDims;
+  pdl_wait_dependencies();
+  const float* row = static_cast<const float*>(p.kv.data) + token * p.kv.row_stride;
+  float kv[4], score[4];
+  load_widen4<true>(row + dim, kv);
+  load_widen4<true>(row + kMainDim + dim, score);
+  float w[kLaneDims];
+  if (warp == 0) load_weight_lane(p, lane, w);
+  if (threadIdx.x == 0) {
+    row_plan = plan_pair_row(token, p.positions[token], p.req_pool_indices[token], p.out_loc[token], p.ring,
+                             p.cache.capacity(), p.max_pos);
+  }
+  __syncthreads();
+  const PairRowPlan plan = row_plan;
+
+  if (!plan.emits) {
     // Padding (p < 0) or an even row: a zero latent, and a live even row parks (kv, score).
-    const int64_t ring_write = broadcast(plan.ring_write);
     pdl_launch_dependents();
-    store_zero_latent(p, token, lane);
-    if (ring_write >= 0) {
-      float* dst = p.state + ring_write * p.state_row_stride;
-      store_f32<kLaneDims>(dst + dim, kv);
-      store_f32<kLaneDims>(dst + kMainDim + dim, score);
+    store_zero_latent4(p, token, dim);
+    if (plan.ring_write >= 0) {
+      float* dst = p.state + plan.ring_write * p.state_row_stride;
+      store_f32<4>(dst + dim, kv);
+      store_f32<4>(dst + kMainDim + dim, score);
     }
     return;
   }
 
-  const int64_t partner_input = broadcast(plan.partner_input);
-  const int64_t partner_ring = broadcast(plan.partner_ring);
-  const int64_t slot = broadcast(plan.slot);
-  const int64_t rope_position = broadcast(plan.rope_position);
-  float k_even[kLaneDims], s_even[kLaneDims];
-  if (partner_input >= 0) {
-    const float* partner = static_cast<const float*>(p.kv.data) + partner_input * p.kv.row_stride;
-    load_widen<kLaneDims, true>(partner + dim, k_even);
-    load_widen<kLaneDims, true>(partner + kMainDim + dim, s_even);
-  } else if (partner_ring >= 0) {
-    const float* partner = p.state + partner_ring * p.state_row_stride;
-    load_state(partner + dim, k_even);
-    load_state(partner + kMainDim + dim, s_even);
+  // Phase A (all threads): pool this thread's 4 dims with the partner's.
+  float k_even[4], s_even[4];
+  if (plan.partner_input >= 0) {
+    const float* partner = static_cast<const float*>(p.kv.data) + plan.partner_input * p.kv.row_stride;
+    load_widen4<true>(partner + dim, k_even);
+    load_widen4<true>(partner + kMainDim + dim, s_even);
+  } else if (plan.partner_ring >= 0) {
+    const float* partner = p.state + plan.partner_ring * p.state_row_stride;
+    load_state4(partner + dim, k_even);
+    load_state4(partner + kMainDim + dim, s_even);
   } else {
 #pragma unroll
-    for (int i = 0; i < kLaneDims; ++i) {
+    for (int i = 0; i < 4; ++i) {
       k_even[i] = 0.0f;
       s_even[i] = kPadScore;
     }
   }
+  // Warp 0's table row, issued before the pooling so that its latency hides behind it and the norm.
   float f[kLaneDims] = {};
-  if (slot >= 0 && lane >= kRopeFirstLane) load_table_lane(p, rope_position, lane, f);
+  if (warp == 0 && plan.slot >= 0 && lane >= kRopeFirstLane) load_table_lane(p, plan.rope_position, lane, f);
   pdl_launch_dependents();
+  float4 x4;
+  x4.x = round_to_bf16(pair_pool(k_even[0], s_even[0], kv[0], score[0]));
+  x4.y = round_to_bf16(pair_pool(k_even[1], s_even[1], kv[1], score[1]));
+  x4.z = round_to_bf16(pair_pool(k_even[2], s_even[2], kv[2], score[2]));
+  x4.w = round_to_bf16(pair_pool(k_even[3], s_even[3], kv[3], score[3]));
+  *reinterpret_cast<float4*>(pooled + dim) = x4;
+  __syncthreads();
+  if (warp != 0) return;
 
+  // Phase B (warp 0): RMSNorm needs the whole row, and warp_rms_norm's fixed reduction order is
+  // defined on the 16-dims-per-lane layout, so one warp finishes the row as c1 does.
   float x[kLaneDims], v[kLaneDims];
 #pragma unroll
-  for (int i = 0; i < kLaneDims; ++i) x[i] = round_to_bf16(pair_pool(k_even[i], s_even[i], kv[i], score[i]));
+  for (int i = 0; i < kLaneDims; i += 4) {
+    const float4 q = *reinterpret_cast<const float4*>(pooled + lane * kLaneDims + i);
+    x[i] = q.x; x[i + 1] = q.y; x[i + 2] = q.z; x[i + 3] = q.w;
+  }
   norm_to_latent(p, token, lane, x, w, v);
-  if (slot >= 0) store_latent_lane<L>(p, lane, v, f, slot);
+  if (plan.slot >= 0) store_latent_lane<L>(p, lane, v, f, plan.slot);
 }
 
 dim3 token_grid(int64_t n) { return dim3(unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
-
 
 template <KVLayout L>
 void launch_c1(const LowRatioParams& p, cudaStream_t stream) {
@@ -194,7 +216,7 @@ void launch_c1(const LowRatioParams& p, cudaStream_t stream) {
 
 template <KVLayout L>
 void launch_c2(const LowRatioParams& p, cudaStream_t stream) {
-  launch_kernel(c2_decode_or_verify_kernel<L>, token_grid(p.n), dim3(kWarpsPerBlock * 32), 0, stream,
+  launch_kernel(c2_decode_or_verify_kernel<L>, dim3(unsigned(p.n)), dim3(kC2Threads), 0, stream,
                 "c2_decode_or_verify_norm_rope_store", p);
 }
 
