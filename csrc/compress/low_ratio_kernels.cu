@@ -9,6 +9,7 @@
 #include "dsv4/rope.cuh"
 #include "dsv4/vec_io.cuh"
 #include "dsv4/warp_quant.cuh"
+#include "dsv4/warp_rope.cuh"
 
 namespace dsv4 {
 
@@ -29,9 +30,9 @@ __device__ __forceinline__ void load_weight_lane(const LowRatioParams& p, int la
   }
 }
 
-// The 64 B of the RoPE table row that a tail lane rotates with.
-__device__ __forceinline__ void load_table_lane(const LowRatioParams& p, int64_t position, int lane, float* f) {
-  load_widen<kLaneDims, true>(p.freqs + position * kRopeDim + (lane - kRopeFirstLane) * kLaneDims, f);
+// The (cos, sin) pair of the RoPE table row that this lane rotates with (warp_rope.cuh).
+__device__ __forceinline__ float2 load_table_lane(const LowRatioParams& p, int64_t position, int lane) {
+  return load_table_pair(p.freqs + position * kRopeDim, lane);
 }
 
 // Plain (coherent) loads for the state ring, which this kernel also writes; __ldg is kept for the
@@ -76,19 +77,14 @@ __device__ __forceinline__ void norm_to_latent(const LowRatioParams& p, int64_t 
   store_u16<kLaneDims>(latent_lane(p, token, lane), bits);
 }
 
-// §5.4: t = bf16(rope_tail(latent)) (tail lanes rotate with their table values f); V41_FP4 stores t,
-// V41 and V4 store fake_quant_compressed_kv(t), whose 16-value tiles are exactly a lane's dims.
-// All lanes must call (tile amax reductions).
+// §5.4: t = bf16(rope_tail(latent)) (each lane rotates tail pair `lane` with its table pair cs, through
+// the warp's `tail` buffer); V41_FP4 stores t, V41 and V4 store fake_quant_compressed_kv(t), whose
+// 16-value tiles are exactly a lane's dims. All lanes must call (tile amax reductions).
 template <KVLayout L>
-__device__ __forceinline__ void store_latent_lane(const LowRatioParams& p, int lane, float* v, const float* f,
-                                                  int64_t slot) {
+__device__ __forceinline__ void store_latent_lane(const LowRatioParams& p, int lane, float* v, float2 cs,
+                                                  float2* tail, int64_t slot) {
   static_assert(LayoutTraits<KVLayout::V41_FP4>::kTile == kLaneDims, "one fake-quant tile per lane");
-  if (lane >= kRopeFirstLane) {
-#pragma unroll
-    for (int j = 0; j < kLaneDims; j += 2) rotate_pair(v[j], v[j + 1], f[j], f[j + 1]);
-#pragma unroll
-    for (int i = 0; i < kLaneDims; ++i) v[i] = round_to_bf16(v[i]);
-  }
+  rotate_tail_across_warp<true>(v, cs, lane, tail);
   if constexpr (L != KVLayout::V41_FP4) fake_quant_compressed_tile(v, kLaneDims);
   quantize_main_lane<L>(v, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
@@ -97,11 +93,12 @@ __device__ __forceinline__ void store_latent_lane(const LowRatioParams& p, int l
 // loads and the two latencies overlap.
 template <KVLayout L>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatioParams p) {
+  __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
   const int lane = threadIdx.x & 31;
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   pdl_wait_dependencies();
   if (token >= p.n) return;
-  float x[kLaneDims], w[kLaneDims], f[kLaneDims] = {};
+  float x[kLaneDims], w[kLaneDims];
   const uint16_t* row = static_cast<const uint16_t*>(p.kv.data) + token * p.kv.row_stride;
   load_widen<kLaneDims, false>(row + lane * kLaneDims, x);
   load_weight_lane(p, lane, w);
@@ -112,12 +109,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatio
   }
   slot = broadcast(slot);
   position = broadcast(position);
-  if (slot >= 0 && lane >= kRopeFirstLane) load_table_lane(p, position, lane, f);
+  float2 cs = {};
+  if (slot >= 0) cs = load_table_lane(p, position, lane);
   pdl_launch_dependents();
 
   float v[kLaneDims];
   norm_to_latent(p, token, lane, x, w, v);
-  if (slot >= 0) store_latent_lane<L>(p, lane, v, f, slot);
+  if (slot >= 0) store_latent_lane<L>(p, lane, v, cs, tails[threadIdx.x >> 5], slot);
 }
 
 // c2: one row per block. A single warp spent most of an emitting row issuing the 512 accurate
@@ -134,6 +132,7 @@ template <KVLayout L>
 __global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRatioParams p) {
   __shared__ PairRowPlan row_plan;
   __shared__ __align__(16) float pooled[kMainDim];
+  __shared__ __align__(16) float2 tail[kRopeDim / 2];
   const int64_t token = blockIdx.x;  // grid = n blocks
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -182,8 +181,8 @@ __global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRati
     }
   }
   // Warp 0's table row, issued before the pooling so that its latency hides behind it and the norm.
-  float f[kLaneDims] = {};
-  if (warp == 0 && plan.slot >= 0 && lane >= kRopeFirstLane) load_table_lane(p, plan.rope_position, lane, f);
+  float2 cs = {};
+  if (warp == 0 && plan.slot >= 0) cs = load_table_lane(p, plan.rope_position, lane);
   pdl_launch_dependents();
   float4 x4;
   x4.x = round_to_bf16(pair_pool(k_even[0], s_even[0], kv[0], score[0]));
@@ -203,7 +202,7 @@ __global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRati
     x[i] = q.x; x[i + 1] = q.y; x[i + 2] = q.z; x[i + 3] = q.w;
   }
   norm_to_latent(p, token, lane, x, w, v);
-  if (plan.slot >= 0) store_latent_lane<L>(p, lane, v, f, plan.slot);
+  if (plan.slot >= 0) store_latent_lane<L>(p, lane, v, cs, tail, plan.slot);
 }
 
 dim3 token_grid(int64_t n) { return dim3(unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
