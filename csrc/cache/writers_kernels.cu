@@ -38,10 +38,21 @@ __device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t tok
     if constexpr (S == RowSource::KWriter) {
       slot = p.out_loc[token];
       position = p.positions[token];
+    } else if constexpr (S == RowSource::CompressDecode) {
+      // A decode row's slot is out_loc[row] (one entry per plan row, checked by the op), so its load
+      // goes out together with the plan entry's instead of after it.
+      const long long row_slot = p.out_loc[token];
+      const uint2 entry = *reinterpret_cast<const uint2*>(p.plan + token * kPlanEntryBytes);
+      const CompressRowPick pick = pick_compress_row(true, entry.x, entry.y, token, p.compress_ratio,
+                                                     p.out_loc_len);
+      if (pick.take) {
+        slot = row_slot;
+        position = pick.position;
+      }
     } else {
       const uint2 entry = *reinterpret_cast<const uint2*>(p.plan + token * kPlanEntryBytes);
-      const CompressRowPick pick = pick_compress_row(S == RowSource::CompressDecode, entry.x, entry.y,
-                                                     token, p.compress_ratio, p.out_loc_len);
+      const CompressRowPick pick = pick_compress_row(false, entry.x, entry.y, token, p.compress_ratio,
+                                                     p.out_loc_len);
       if (pick.take) {
         slot = p.out_loc[pick.out_loc_index];
         position = pick.position;
