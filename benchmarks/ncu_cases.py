@@ -1,0 +1,80 @@
+"""One op call per case inside an NVTX range "prof", for Nsight Compute on the GPU machine (Firecracker runtime):
+
+    ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight --section WarpStateStats \
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+        python3 -m benchmarks.ncu_cases CASE
+
+CASE: kwriter (V41, 2^20 tokens), c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests),
+plan (plan_compress_prefill, c4 paged, 64 requests x 4 drafts). Two warm-up calls precede the profiled one.
+"""
+import sys
+
+import torch
+
+import sgl_dsv4_kernels as dsv4
+from sgl_dsv4_kernels import KVLayout
+from benchmarks import bench_low_ratio as lr, bench_writers as wr, bench_compress as bc
+
+table = dsv4.precompute_rope_table(64, 65536, 65536, 160000.0, 16.0, 32.0, 1.0).cuda()
+case = sys.argv[1]
+
+
+def k_writer(n):
+    fmt = KVLayout.V41
+    cache = wr._cache(fmt, n)
+    a = wr._inputs("k_writer", fmt, torch.arange(n, device="cuda"), table)
+    return lambda: wr._ours("k_writer", fmt)(a, cache)
+
+
+def low(op, n):
+    layout = KVLayout.V41
+    cache = lr._cache(layout)
+    cap = cache.shape[0] * lr.PAGE
+    w = torch.randn(512, device="cuda").to(torch.bfloat16)
+    if op == "c1":
+        a = lr._c1_calls(n, cap, w, table)[0]
+        return lambda: dsv4.c1_decode_norm_rope_store(a["kv"], a["weight"], a["positions"], a["out_loc"], 1e-6,
+                                                      a["table"], cache, page_size=64, layout=layout)
+    a = lr._c2_calls(n, 0, cap, w, table)[0]
+    a["positions"] |= 1  # every row emits
+    return lambda: dsv4.c2_decode_or_verify_norm_rope_store(
+        a["kv"], a["state"], a["weight"], a["positions"], a["req"], a["raw"], 1e-6, a["table"], cache,
+        page_size=64, ring_size=a["ring"], draft_len=0, layout=layout)
+
+
+def compress(ratio, bs):
+    hd, ring = 512, (16 if ratio == 4 else 256)
+    gen = torch.Generator().manual_seed(1)
+    s = bc._decode_set(ratio, hd, ring, bs, gen)
+    ape = torch.randn(8 if ratio == 4 else 128, hd, device="cuda")
+    return lambda: dsv4.compress_forward(s[0], s[1], ape, s[2], head_dim=hd)
+
+
+def planner(bs):
+    rids = (torch.randperm(bs) + 1).cuda()
+    seq = torch.randint(256, 4096, (bs,)).cuda()
+    r2t = torch.randint(0, 1 << 20, (bs + 1, 4096), dtype=torch.int32).cuda()
+    f2s = torch.randint(0, 1 << 20, (1 << 20,), dtype=torch.int32).cuda()
+    ext = torch.full((bs,), 4, device="cuda")
+    seq_total = seq + ext
+    out_c = torch.empty(bs * 4, 16, dtype=torch.uint8, device="cuda")
+    out_w = torch.empty(bs * 4, 8, dtype=torch.uint8, device="cuda")
+    return lambda: dsv4.plan_compress_prefill(rids, seq_total, ext, r2t, f2s, num_q_tokens=bs * 4, out=(out_c, out_w),
+                                              compress_ratio=4, ring_size=16, swa_page_size=256)
+
+
+fn = {
+    "kwriter": lambda: k_writer(1 << 20),
+    "c1": lambda: low("c1", 64),
+    "c2": lambda: low("c2", 64),
+    "c4": lambda: compress(4, 64),
+    "c128": lambda: compress(128, 64),
+    "plan": lambda: planner(64),
+}[case]()
+for _ in range(2):
+    fn()
+torch.cuda.synchronize()
+torch.cuda.nvtx.range_push("prof")
+fn()
+torch.cuda.nvtx.range_pop()
+torch.cuda.synchronize()
