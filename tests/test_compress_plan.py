@@ -132,7 +132,12 @@ CONFIGS = [(4, 8, True), (4, 16, True), (4, 16, False), (128, 128, False), (128,
 CONFIG_IDS = ["c4-ring8-paged", "c4-ring16-paged", "c4-ring16-reqring", "c128-ring128", "c128-ring256"]
 
 
-@pytest.mark.parametrize("B", [1, 7, 1025, 3000])
+# GPU-input path: B <= 32 runs one warp, 100 several (with more rows than a request's thread writes
+# itself), 1025 and 3000 the two-launch path.
+BATCHES = [1, 7, 100, 1025, 3000]
+
+
+@pytest.mark.parametrize("B", BATCHES)
 @pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
 def test_cpu_planners_match_reference(B, ratio, ring, paged):
     c = random_case(B, ratio, ring, paged, "cpu", max_extend=24 if B < 1000 else 6)
@@ -153,7 +158,7 @@ def test_cpu_planners_match_reference(B, ratio, ring, paged):
 
 
 @cuda_only
-@pytest.mark.parametrize("B", [1, 7, 1025, 3000])
+@pytest.mark.parametrize("B", BATCHES)
 @pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
 def test_every_path_gives_the_same_bytes(B, ratio, ring, paged):
     """CPU op, host-input path, GPU-input path and both _out variants; the decode planner on CPU and CUDA."""
@@ -201,6 +206,30 @@ def test_gpu_path_out_of_envelope_inputs_stay_in_bounds(ratio, ring, paged):
     cu = {k: c[k].cuda() for k in ("rids", "L", "E", "r2t", "f2s")}
     p = dsv4.plan_compress_prefill(cu["rids"], cu["L"], cu["E"], cu["r2t"], cu["f2s"], num_q_tokens=c["nq"], **c["kw"])
     assert torch.equal(p.plan.cpu(), rc) and torch.equal(p.plan_w.cpu(), rw)
+
+
+@cuda_only
+@pytest.mark.parametrize("B", [1, 7, 32, 33, 100, 300, 1024])
+@pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
+def test_gpu_path_verify_batches(B, ratio, ring, paged):
+    """Verify/extend batches of decode size (every E <= 8), whose rows the GPU path's per-request threads
+    write themselves, the rest of each plan being sentinels: one warp (B <= 32) or several, one slice of
+    256 owner threads or several, padded rows (rid 0, prefix 0), invalid lookups, both table dtypes, spare
+    rows, and an underfilled num_q_tokens that cuts a request's rows short."""
+    c = random_case(B, ratio, ring, paged, "verify", max_extend=9)
+    pad = torch.rand(B, generator=gen("verify-pad", B, ratio, ring)) < 0.2
+    c["rids"][pad] = 0
+    c["L"][pad] = c["E"][pad].int()
+    for r2t_dtype, f2s_dtype in ((torch.int32, torch.int64), (torch.int64, torch.int32)):
+        c["r2t"], c["f2s"] = c["r2t"].to(r2t_dtype), c["f2s"].to(f2s_dtype)
+        cu = {k: c[k].cuda() for k in ("rids", "L", "E", "r2t", "f2s")}
+        for nq in (c["nq"], max(1, int(c["E"].sum()) // 2)):
+            case = dict(c, nq=nq)
+            rc, rw = ref_plans(case, True)
+            p = dsv4.plan_compress_prefill(cu["rids"], cu["L"], cu["E"], cu["r2t"], cu["f2s"], num_q_tokens=nq,
+                                           **c["kw"])
+            assert torch.equal(p.plan.cpu(), rc), (r2t_dtype, nq)
+            assert torch.equal(p.plan_w.cpu(), rw), (r2t_dtype, nq)
 
 
 def test_no_duplicate_write_loc_outside_owner0():

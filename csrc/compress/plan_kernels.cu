@@ -1,6 +1,7 @@
 // CUDA planners for c4/c128: the decode planner (one thread per request), the GPU-input prefill
-// planner (deterministic block scans of E', n_c, n_w, then one thread per plan row that finds its
-// request by binary search and writes final bytes) and the stage-1 kernel of the host-input path.
+// planner (deterministic block scans of E', n_c, n_w; each request's first rows written by its own
+// thread, every other row by one thread that finds its request by binary search) and the stage-1
+// kernel of the host-input path.
 #include "plan_launch.h"
 #include "dsv4/launch.cuh"
 
@@ -8,9 +9,20 @@ namespace dsv4 {
 
 namespace {
 
-constexpr int kScanThreads = 1024;   // one request per thread per tile
-constexpr int kFusedRowsPerThread = 1;  // rows are latency chains: spread them over blocks
-constexpr int kRowThreads = 256;
+// Batches up to this size are planned in one launch with one thread per request; larger ones are scanned
+// in tiles of this size.
+constexpr int kScanTile = 1024;
+constexpr int kRowThreads = 256;  // rows are latency chains: spread them over blocks
+// The one-launch planner writes each request's first rows from threads of its own, which start their
+// table loads before the scans: for a slice of kOwnerSlice requests, two blocks, whose thread b writes
+// request b's first kOwnedWrites WritePlan rows (even block) or first kOwnedCompress CompressPlan rows
+// (odd block, two slots each). That covers every row of a verify or extend step of up to 8 tokens; two
+// threads per request keep each one's slots in the registers of a 1024-thread block, and slices spread
+// a large batch's lookups over several SMs.
+constexpr int kOwnedSlots = 8;
+constexpr int kOwnedWrites = kOwnedSlots;
+constexpr int kOwnedCompress = kOwnedSlots / 2;
+constexpr int kOwnerSlice = 256;
 
 __device__ __forceinline__ void store_entry(DecodeEntry* dst, const DecodeEntry& e) {
   *reinterpret_cast<uint4*>(dst) =
@@ -46,91 +58,125 @@ __global__ void decode_plan_kernel(DecodePlanParams p) {
 
 // ---- block scan ----
 
-// Exclusive prefix sums of (x, y) in thread order over a kScanThreads block; also the block totals.
-// Warp shuffles, then one warp over the warp totals: a fixed order, no atomics.
 struct ScanPair {
-  long long x, y;
+  int32_t x, y;
 };
 
-__device__ ScanPair block_exclusive_scan(ScanPair v, ScanPair& total) {
-  constexpr int kWarps = kScanThreads / 32;
-  __shared__ ScanPair warp_sums[kWarps + 1];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  ScanPair inc = v;
+__device__ __forceinline__ ScanPair operator+(ScanPair a, ScanPair b) { return ScanPair{a.x + b.x, a.y + b.y}; }
+__device__ __forceinline__ ScanPair operator-(ScanPair a, ScanPair b) { return ScanPair{a.x - b.x, a.y - b.y}; }
+__device__ __forceinline__ int32_t shfl_up(int32_t v, int d) { return __shfl_up_sync(0xFFFFFFFFu, v, d); }
+__device__ __forceinline__ ScanPair shfl_up(ScanPair v, int d) { return ScanPair{shfl_up(v.x, d), shfl_up(v.y, d)}; }
+__device__ __forceinline__ int32_t shfl(int32_t v, int lane) { return __shfl_sync(0xFFFFFFFFu, v, lane); }
+__device__ __forceinline__ ScanPair shfl(ScanPair v, int lane) { return ScanPair{shfl(v.x, lane), shfl(v.y, lane)}; }
+
+// Exclusive prefix sums in thread order over the block (a whole number of warps), and the block total.
+// Warp shuffles, then one warp over the warp totals: a fixed order, no atomics. A one-warp block (a
+// decode-size batch) needs neither shared memory nor barriers. Callers keep every sum below 2^31.
+template <class T>
+__device__ T block_exclusive_scan(T v, T& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  T inc = v;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    const long long tx = __shfl_up_sync(0xFFFFFFFFu, inc.x, d);
-    const long long ty = __shfl_up_sync(0xFFFFFFFFu, inc.y, d);
-    if (lane >= d) {
-      inc.x += tx;
-      inc.y += ty;
-    }
+    const T up = shfl_up(inc, d);
+    if (lane >= d) inc = inc + up;
   }
+  if (warps == 1) {
+    total = shfl(inc, 31);
+    return inc - v;
+  }
+  __shared__ T warp_sums[33];  // exclusive prefix of each warp, then the block total
   if (lane == 31) warp_sums[warp] = inc;
   __syncthreads();
   if (warp == 0) {
-    const ScanPair own = lane < kWarps ? warp_sums[lane] : ScanPair{0, 0};
-    ScanPair w = own;
+    const T own = lane < warps ? warp_sums[lane] : T{};
+    T w = own;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-      const long long tx = __shfl_up_sync(0xFFFFFFFFu, w.x, d);
-      const long long ty = __shfl_up_sync(0xFFFFFFFFu, w.y, d);
-      if (lane >= d) {
-        w.x += tx;
-        w.y += ty;
-      }
+      const T up = shfl_up(w, d);
+      if (lane >= d) w = w + up;
     }
-    if (lane < kWarps) warp_sums[lane] = ScanPair{w.x - own.x, w.y - own.y};
-    if (lane == kWarps - 1) warp_sums[kWarps] = w;
+    if (lane < warps) warp_sums[lane] = w - own;
+    if (lane == warps - 1) warp_sums[32] = w;
   }
   __syncthreads();
-  const ScanPair base = warp_sums[warp];
-  total = warp_sums[kWarps];
-  __syncthreads();  // warp_sums is reused by the next call
-  return ScanPair{base.x + inc.x - v.x, base.y + inc.y - v.y};
+  const T base = warp_sums[warp];
+  total = warp_sums[32];
+  __syncthreads();  // warp_sums is reused by the next scan
+  return base + inc - v;
 }
 
-// What the emitters need per request: the §3.3 inputs, the first plan row of each plan, and the
-// request id (loaded by the scan together with the lengths, so that an emitter's state-slot lookup is
-// its only dependent load).
+// ---- per-request scans ----
+
+// A request's lengths as planned (clamped into int32, §3.3) and its id; zeros past the batch.
+struct RequestInput {
+  int32_t seq_len, extend_len;
+  int64_t rid;
+  bool live;
+};
+
+__device__ RequestInput load_request(const PrefillPlanParams& p, int64_t b) {
+  RequestInput in{0, 0, 0, b < p.batch};
+  if (in.live) {
+    in.seq_len = int32_t(planned_seq_len(p.seq_lens[b]));
+    in.extend_len = int32_t(planned_extend_len(p.extend_lens[b]));
+    in.rid = p.req_pool_indices[b];
+  }
+  return in;
+}
+
+// What the row emitters need per request: its first row in each plan and the inputs of plan_request.
 struct RequestStarts {
   int32_t start_c, start_w;
-  int32_t seq_len, extend_len;  // as planned (clamped into int32)
-  int32_t off;                  // ragged offset, saturated at num_q_tokens (a request past it plans nothing)
+  int32_t seq_len, extend_len;  // as planned
+  int32_t off;                  // ragged offset, saturated at num_q_tokens (a request at or past it plans nothing)
   int32_t pad_;
   int64_t rid;                  // req_pool_indices[b]
 };
 
+// Sums over the tiles scanned so far; each stays at most num_q_tokens.
 struct ScanCarry {
-  long long off, c, w;
+  int32_t off, c, w;
 };
 
-// Scans the tile of requests [base, base + kScanThreads): returns this thread's request starts and
-// advances the carry by the tile's sums. Threads past the batch contribute zeros.
-__device__ RequestStarts scan_tile(const PrefillPlanParams& p, int64_t base, ScanCarry& carry) {
-  const int64_t b = base + threadIdx.x;
-  const bool live = b < p.batch;
-  const int64_t L = live ? planned_seq_len(p.seq_lens[b]) : 0;
-  const int64_t E = live ? planned_extend_len(p.extend_lens[b]) : 0;
-  const int64_t rid = live ? p.req_pool_indices[b] : 0;
+// First scan: the request's ragged offset. Each term is clamped to num_q_tokens (<= 2^16) first, which
+// keeps a tile's sums below 2^31 and leaves min(offset, num_q_tokens), all that plan_request needs, exact.
+__device__ int32_t scan_offset(const PrefillPlanParams& p, const RequestInput& in, ScanCarry& carry) {
+  const int32_t nq = int32_t(p.geometry.num_q_tokens);
+  int32_t total;
+  const int32_t ex = block_exclusive_scan(min(in.extend_len, nq), total);
+  const int32_t off = min(carry.off + ex, nq);
+  carry.off = min(carry.off + total, nq);
+  return off;
+}
+
+// The request's counts at ragged offset `off`, given its plan at offset 0. They are equal when all its
+// tokens fit below num_q_tokens; only a request cut short by an underfilled num_q_tokens (and every
+// later one, which plans nothing) needs plan_request again.
+__device__ ScanPair counts_at(const PrefillPlanParams& p, const RequestInput& in, const RequestPlan& rp0,
+                              int32_t off) {
+  if (in.extend_len <= p.geometry.num_q_tokens - off) return ScanPair{int32_t(rp0.n_c), int32_t(rp0.n_w)};
+  const RequestPlan rp = plan_request(p.geometry, in.seq_len, in.extend_len, off);
+  return ScanPair{int32_t(rp.n_c), int32_t(rp.n_w)};
+}
+
+// Second scan: the request's first plan rows, from its counts. A request plans at most its share of the
+// num_q_tokens ragged tokens, so every sum is at most num_q_tokens.
+__device__ RequestStarts scan_starts(const RequestInput& in, int32_t off, ScanPair counts, ScanCarry& carry) {
   ScanPair total;
-  const ScanPair ex_off = block_exclusive_scan(ScanPair{E, 0}, total);
-  const long long off = carry.off + ex_off.x;
-  carry.off += total.x;
-  RequestPlan rp{};
-  if (live) rp = plan_request(p.geometry, L, E, off);
-  const ScanPair ex_n = block_exclusive_scan(ScanPair{rp.n_c, rp.n_w}, total);
-  RequestStarts s{};
-  s.start_c = int32_t(carry.c + ex_n.x);
-  s.start_w = int32_t(carry.w + ex_n.y);
-  s.seq_len = int32_t(L);
-  s.extend_len = int32_t(E);
-  s.off = int32_t(off < p.geometry.num_q_tokens ? off : p.geometry.num_q_tokens);
-  s.rid = rid;
+  const ScanPair ex = block_exclusive_scan(counts, total);
+  const RequestStarts s{carry.c + ex.x, carry.w + ex.y, in.seq_len, in.extend_len, off, 0, in.rid};
   carry.c += total.x;
   carry.w += total.y;
   return s;
 }
+
+// The request's plan at ragged offset 0 (empty past the batch).
+__device__ __forceinline__ RequestPlan plan_at_zero(const PrefillPlanParams& p, const RequestInput& in) {
+  return in.live ? plan_request(p.geometry, in.seq_len, in.extend_len, 0) : RequestPlan{};
+}
+
+// ---- rows found by binary search ----
 
 // Last request whose first row is <= row (row < total, so that request owns the row).
 template <bool kWritePlan>
@@ -144,69 +190,233 @@ __device__ __forceinline__ int64_t find_request(const RequestStarts* starts, int
   return lo;
 }
 
-// Final bytes of plan row `row` of both plans (rows past the totals get sentinels).
-__device__ void emit_rows(const PrefillPlanParams& p, const RequestStarts* starts, int64_t total_c,
-                          int64_t total_w, int64_t row) {
+// Final bytes of plan row `row` of both plans: a sentinel past the totals, else row k of its request,
+// except the first owned_c / owned_w rows of each request, which the request's own thread writes.
+__device__ void emit_rows(const PrefillPlanParams& p, const RequestStarts* starts, int32_t total_c,
+                          int32_t total_w, int64_t row, int owned_c, int owned_w) {
+  const PlanGeometry& g = p.geometry;
   if (row < p.rows_c) {
     CompressEntry e = invalid_compress_entry();
+    bool mine = true;  // false for a row that its request's own thread writes
     if (row < total_c) {
       const int64_t b = find_request<false>(starts, p.batch, row);
       const RequestStarts s = starts[b];
-      const RequestPlan rp = plan_request(p.geometry, s.seq_len, s.extend_len, s.off);
-      e = compress_entry_stage0(p.geometry, rp, row - s.start_c, b);
-      finalize_compress_entry(e, s.rid, p.lookup, p.geometry.ratio);
+      const int64_t k = row - s.start_c;
+      mine = k >= owned_c;
+      if (mine) {
+        e = compress_entry_stage0(g, plan_request(g, s.seq_len, s.extend_len, s.off), k, b);
+        finalize_compress_entry(e, s.rid, p.lookup, g.ratio);
+      }
     }
-    store_entry(p.plan_c + row, e);
+    if (mine) store_entry(p.plan_c + row, e);
   }
   if (row < p.rows_w) {
     WriteEntry e = invalid_write_entry();
+    bool mine = true;  // false for a row that its request's own thread writes
     if (row < total_w) {
       const int64_t b = find_request<true>(starts, p.batch, row);
       const RequestStarts s = starts[b];
-      const RequestPlan rp = plan_request(p.geometry, s.seq_len, s.extend_len, s.off);
-      e = write_entry_stage0(p.geometry, rp, row - s.start_w, b);
-      finalize_write_entry(e, s.rid, p.lookup);
+      const int64_t k = row - s.start_w;
+      mine = k >= owned_w;
+      if (mine) {
+        e = write_entry_stage0(g, plan_request(g, s.seq_len, s.extend_len, s.off), k, b);
+        finalize_write_entry(e, s.rid, p.lookup);
+      }
     }
-    store_entry(p.plan_w + row, e);
+    if (mine) store_entry(p.plan_w + row, e);
   }
 }
 
-// Batches of at most kScanThreads requests: every block scans the whole batch into shared memory
-// (cheap and redundant), then writes its rows. One launch.
-__global__ void __launch_bounds__(kScanThreads) prefill_plan_fused_kernel(PrefillPlanParams p) {
-  __shared__ RequestStarts starts[kScanThreads];
-  __shared__ long long totals[2];
+// The sentinels of plan row `row`, when every row below the totals is written by its request's thread.
+__device__ __forceinline__ void emit_sentinels(const PrefillPlanParams& p, int32_t total_c, int32_t total_w,
+                                               int64_t row) {
+  if (row >= total_c && row < p.rows_c) store_entry(p.plan_c + row, invalid_compress_entry());
+  if (row >= total_w && row < p.rows_w) store_entry(p.plan_w + row, invalid_write_entry());
+}
+
+// ---- rows written by their request's own thread ----
+
+// Entries view[index[k]] for the k in `mask` (0 for the others), as their bits zero-extended to 64. No
+// instruction touches a loaded value here (a sign extension would), and the dtype branch is outside the
+// loop, so all N loads are in flight at once; widen() gives the values.
+template <int N>
+__device__ __forceinline__ void load_entries(const IndexView& view, const int64_t (&index)[N], uint32_t mask,
+                                             uint64_t (&bits)[N]) {
+  if (view.is_int64) {
+    const uint64_t* data = static_cast<const uint64_t*>(view.data);
+#pragma unroll
+    for (int k = 0; k < N; ++k) bits[k] = (mask >> k & 1) ? data[index[k]] : 0;
+  } else {
+    const uint32_t* data = static_cast<const uint32_t*>(view.data);
+#pragma unroll
+    for (int k = 0; k < N; ++k) bits[k] = (mask >> k & 1) ? data[index[k]] : 0;
+  }
+}
+
+__device__ __forceinline__ int64_t widen(const IndexView& view, uint64_t bits) {
+  return view.is_int64 ? int64_t(bits) : int64_t(int32_t(uint32_t(bits)));
+}
+
+// State slots of N positions of one request. A paged lookup is two dependent loads; here each round is N
+// independent loads (req_to_token, then full_to_swa), so that the thread waits for two load latencies
+// rather than 2N, and its caller lets each round fly during a block scan. Request-ring slots need no
+// load. Index with compile-time k only (unrolled loops), or the arrays leave registers.
+template <int N>
+struct SlotPrefetch {
+  uint64_t v[N];    // paged: the entries loaded by the last round; request ring: the slots
+  uint32_t loaded;  // paged: bit k is set when v[k] was loaded (a -1 in the chain skips the load)
+
+  // Round 1, for positions p[k] (-1: none).
+  __device__ __forceinline__ void start(const SlotLookup& s, int64_t rid, const int64_t (&p)[N]) {
+    if (!s.paged) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = uint64_t(ring_slot(s, rid, p[k]));
+      return;
+    }
+    int64_t index[N];
+    loaded = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      index[k] = token_index(s, rid, p[k]);
+      loaded |= uint32_t(index[k] >= 0) << k;
+    }
+    load_entries(s.req_to_token, index, loaded, v);
+  }
+
+  // Round 2: waits for round 1's loads.
+  __device__ __forceinline__ void advance(const SlotLookup& s) {
+    if (!s.paged) return;
+    int64_t loc[N];
+    uint32_t mask = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      loc[k] = checked_loc(s, (loaded >> k & 1) ? widen(s.req_to_token, v[k]) : -1);
+      mask |= uint32_t(loc[k] >= 0) << k;
+    }
+    loaded = mask;
+    load_entries(s.full_to_swa, loc, loaded, v);
+  }
+
+  // Waits for round 2's loads.
+  __device__ __forceinline__ int64_t slot(const SlotLookup& s, int k) const {
+    if (!s.paged) return int64_t(v[k]);
+    return paged_slot(s, (loaded >> k & 1) ? widen(s.full_to_swa, v[k]) : -1);
+  }
+};
+
+// The first kOwnedWrites WritePlan rows or kOwnedCompress CompressPlan rows of one request, with their
+// slots prefetched.
+struct OwnedRows {
+  bool compress;                     // which plan's rows
+  SlotPrefetch<kOwnedSlots> slots;  // the writes' slots, or the (read_page_1, read_page_0) slots of each entry
+
+  // Before the scans, so without the ragged offset: positions from the plan the request would have at
+  // offset 0 (rp0). The real offset only lowers z, which cuts rows off the tail (§3.3 counts), so row k
+  // of the real plan sits at the position of row k here.
+  __device__ __forceinline__ void start_lookups(const PrefillPlanParams& p, const RequestInput& in,
+                                                const RequestPlan& rp0, int64_t b) {
+    const PlanGeometry& g = p.geometry;
+    int64_t pos[kOwnedSlots];
+    if (compress) {
+#pragma unroll
+      for (int k = 0; k < kOwnedCompress; ++k) {
+        const CompressReads r =
+            k < rp0.n_c ? compress_reads(compress_entry_stage0(g, rp0, k, b), g.ratio) : CompressReads{-1, -1};
+        pos[2 * k] = r.p1;
+        pos[2 * k + 1] = r.p0;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kOwnedWrites; ++k) pos[k] = k < rp0.n_w ? write_position(g, rp0, k) : -1;
+    }
+    slots.start(p.lookup, in.rid, pos);
+  }
+
+  __device__ __forceinline__ void continue_lookups(const PrefillPlanParams& p) { slots.advance(p.lookup); }
+
+  // After the scans: the final entries, at the request's rows (start + k < total <= num_q_tokens rows).
+  __device__ __forceinline__ void write(const PrefillPlanParams& p, const RequestInput& in, const RequestStarts& s,
+                                        int64_t b) const {
+    const PlanGeometry& g = p.geometry;
+    int32_t slot[kOwnedSlots];  // in [-1, 2^31): half the registers of the loaded entries
+#pragma unroll
+    for (int k = 0; k < kOwnedSlots; ++k) slot[k] = int32_t(slots.slot(p.lookup, k));
+    const RequestPlan rp = plan_request(g, in.seq_len, in.extend_len, s.off);
+    if (compress) {
+#pragma unroll
+      for (int k = 0; k < kOwnedCompress; ++k) {
+        if (k < rp.n_c) {
+          CompressEntry e = compress_entry_stage0(g, rp, k, b);
+          set_compress_pages(e, slot[2 * k], slot[2 * k + 1], g.ratio);
+          store_entry(p.plan_c + s.start_c + k, e);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kOwnedWrites; ++k) {
+        if (k < rp.n_w) {
+          WriteEntry e = write_entry_stage0(g, rp, k, b);
+          set_write_slot(e, slot[k]);
+          store_entry(p.plan_w + s.start_w + k, e);
+        }
+      }
+    }
+  }
+};
+
+// ---- kernels ----
+
+// Batches of at most kScanTile requests, one launch. A block has one thread per request, rounded up to a
+// warp (a decode-size batch runs one warp, whose scans need no barrier); every block scans the whole
+// batch (cheap and redundant), then covers blockDim.x rows of each plan. The owner threads (kOwnerSlice)
+// also write their request's first rows: the positions need only the request's own lengths, so the
+// table loads are issued before the scans and fly during them. A verify step then waits for about the
+// decode planner's chain of loads, not for scans, then a search, then the loads; and as no request has
+// further rows, the other rows are sentinels, found without a search.
+__global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPlanParams p) {
+  __shared__ RequestStarts starts[kScanTile];
   pdl_wait_dependencies();
   pdl_launch_dependents();
+  const int b = threadIdx.x;
+  const RequestInput in = load_request(p, b);
+  const RequestPlan rp0 = plan_at_zero(p, in);
+  const bool owner = in.live && b / kOwnerSlice == int(blockIdx.x / 2);
+  OwnedRows own;
+  own.compress = blockIdx.x % 2 == 1;
+  if (owner) own.start_lookups(p, in, rp0, b);
   ScanCarry carry{0, 0, 0};
-  const RequestStarts s = scan_tile(p, 0, carry);
-  if (threadIdx.x < p.batch) starts[threadIdx.x] = s;
-  if (threadIdx.x == 0) {
-    totals[0] = carry.c;
-    totals[1] = carry.w;
-  }
-  __syncthreads();
-  const int64_t first = int64_t(blockIdx.x) * kScanThreads * kFusedRowsPerThread + threadIdx.x;
-#pragma unroll
-  for (int k = 0; k < kFusedRowsPerThread; ++k) {
-    emit_rows(p, starts, totals[0], totals[1], first + int64_t(k) * kScanThreads);
+  const int32_t off = scan_offset(p, in, carry);
+  if (owner) own.continue_lookups(p);
+  const ScanPair counts = counts_at(p, in, rp0, off);
+  const RequestStarts s = scan_starts(in, off, counts, carry);
+  if (in.live) starts[b] = s;
+  const bool unowned_rows = __syncthreads_or(counts.x > kOwnedCompress || counts.y > kOwnedWrites);
+  if (owner) own.write(p, in, s, b);  // first: its registers are free before the row path's
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + b;
+  if (unowned_rows) {
+    emit_rows(p, starts, carry.c, carry.w, row, kOwnedCompress, kOwnedWrites);
+  } else {
+    emit_sentinels(p, carry.c, carry.w, row);
   }
 }
 
 // Larger batches, first launch: one block walks the batch tile by tile and stores every request's
 // starts, and the totals after the last request.
-__global__ void __launch_bounds__(kScanThreads) prefill_scan_kernel(PrefillPlanParams p, RequestStarts* starts) {
+__global__ void __launch_bounds__(kScanTile) prefill_scan_kernel(PrefillPlanParams p, RequestStarts* starts) {
   pdl_wait_dependencies();
   pdl_launch_dependents();
   ScanCarry carry{0, 0, 0};
-  for (int64_t base = 0; base < p.batch; base += kScanThreads) {
-    const RequestStarts s = scan_tile(p, base, carry);
-    if (base + threadIdx.x < p.batch) starts[base + threadIdx.x] = s;
+  for (int64_t base = 0; base < p.batch; base += kScanTile) {
+    const RequestInput in = load_request(p, base + threadIdx.x);
+    const RequestPlan rp0 = plan_at_zero(p, in);
+    const int32_t off = scan_offset(p, in, carry);
+    const RequestStarts s = scan_starts(in, off, counts_at(p, in, rp0, off), carry);
+    if (in.live) starts[base + threadIdx.x] = s;
   }
   if (threadIdx.x == 0) {
     RequestStarts total{};
-    total.start_c = int32_t(carry.c);
-    total.start_w = int32_t(carry.w);
+    total.start_c = carry.c;
+    total.start_w = carry.w;
     starts[p.batch] = total;
   }
 }
@@ -217,7 +427,7 @@ __global__ void __launch_bounds__(kRowThreads) prefill_emit_kernel(PrefillPlanPa
   pdl_launch_dependents();
   const int64_t row = int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
   const RequestStarts total = starts[p.batch];
-  emit_rows(p, starts, total.start_c, total.start_w, row);
+  emit_rows(p, starts, total.start_c, total.start_w, row, 0, 0);
 }
 
 // Host-input path: rewrites the stage-0 rows copied from the host.
@@ -259,19 +469,21 @@ void prefill_stage1_cuda(const PrefillPlanParams& p, cudaStream_t stream) {
 }
 
 int64_t prefill_scratch_words(int64_t batch) {
-  return batch <= kScanThreads ? 0 : (batch + 1) * int64_t(sizeof(RequestStarts) / sizeof(int32_t));
+  return batch <= kScanTile ? 0 : (batch + 1) * int64_t(sizeof(RequestStarts) / sizeof(int32_t));
 }
 
 void prefill_plan_cuda(const PrefillPlanParams& p, int32_t* scratch, cudaStream_t stream) {
   const int64_t rows = p.rows_c > p.rows_w ? p.rows_c : p.rows_w;
   if (rows == 0) return;
-  if (p.batch <= kScanThreads) {
-    launch_kernel(prefill_plan_fused_kernel, dim3(blocks_for(rows, int64_t(kScanThreads) * kFusedRowsPerThread)),
-                  dim3(kScanThreads), 0, stream, "plan_compress_prefill", p);
+  if (p.batch <= kScanTile) {
+    const int threads = p.batch <= 32 ? 32 : int((p.batch + 31) / 32 * 32);  // one per request, whole warps
+    const unsigned row_blocks = blocks_for(rows, threads), owner_blocks = 2 * blocks_for(p.batch, kOwnerSlice);
+    launch_kernel(prefill_plan_fused_kernel, dim3(row_blocks > owner_blocks ? row_blocks : owner_blocks),
+                  dim3(threads), 0, stream, "plan_compress_prefill", p);
     return;
   }
   auto* starts = reinterpret_cast<RequestStarts*>(scratch);
-  launch_kernel(prefill_scan_kernel, dim3(1), dim3(kScanThreads), 0, stream, "plan_compress_prefill (scan)", p,
+  launch_kernel(prefill_scan_kernel, dim3(1), dim3(kScanTile), 0, stream, "plan_compress_prefill (scan)", p,
                 starts);
   launch_kernel(prefill_emit_kernel, dim3(blocks_for(rows, kRowThreads)), dim3(kRowThreads), 0, stream,
                 "plan_compress_prefill (emit)", p, static_cast<const RequestStarts*>(starts));

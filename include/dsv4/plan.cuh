@@ -62,6 +62,10 @@ DSV4_HD constexpr int64_t mtp_pad(int ratio, int64_t ring) {
   return ring > compress_window(ratio) ? ring - compress_window(ratio) + 2 : 0;
 }
 
+// x / d for a length or position and a ratio (0 <= x, d < 2^31): a 32-bit division. A 64-bit one costs
+// the GPU a range test and a branch around each quotient on the planners' latency chains.
+DSV4_HD int64_t position_div(int64_t x, int64_t d) { return int64_t(uint32_t(x) / uint32_t(d)); }
+
 // ---- index tensors ----
 
 // A read-only int32 or int64 vector (or matrix with a row stride); null when the tensor is absent.
@@ -85,29 +89,50 @@ struct SlotLookup {
   bool paged;              // paged c4; otherwise request rings
 };
 
-// State row of position p of request rid, or -1 for an invalid lookup. Computed in 64 bits; a slot
-// above 2^31 - 1 is invalid too.
-DSV4_HD int64_t state_slot(const SlotLookup& s, int64_t rid, int64_t p) {
-  if (rid < 0 || p < 0) return -1;
-  int64_t slot;
-  if (s.paged) {
-    if (rid >= s.r2t_rows || p >= s.r2t_cols) return -1;
-    const int64_t loc = s.req_to_token[rid * s.r2t_stride + p];
-    if (loc < 0 || loc >= s.f2s_len) return -1;
-    const int64_t swa = s.full_to_swa[loc];
-    if (swa < 0) return -1;
-    // swa_page_size >= ring, so this never exceeds swa: no overflow.
-    slot = (swa / s.swa_page_size) * s.ring + swa % s.ring;
-  } else {
-    if (s.req_to_token.data != nullptr && rid >= s.r2t_rows) return -1;
-    if (rid > kMaxSeqLen / s.ring) return -1;  // rid * ring alone would pass 2^31 - 1
-    slot = rid * s.ring + p % s.ring;
-  }
+// A paged lookup is two dependent loads, req_to_token then full_to_swa. Its checks are split around the
+// loads so that a caller can issue the first load of many lookups before using any loaded value:
+// slot = paged_slot(full_to_swa[checked_loc(req_to_token[token_index(rid, p)])]), where each step turns
+// an invalid lookup into -1 and a -1 skips the load that follows.
+
+// Element index of req_to_token[rid, p], or -1 outside the table.
+DSV4_HD int64_t token_index(const SlotLookup& s, int64_t rid, int64_t p) {
+  return (rid < 0 || p < 0 || rid >= s.r2t_rows || p >= s.r2t_cols) ? -1 : rid * s.r2t_stride + p;
+}
+
+// A full location read from req_to_token, or -1 outside full_to_swa.
+DSV4_HD int64_t checked_loc(const SlotLookup& s, int64_t loc) { return (loc < 0 || loc >= s.f2s_len) ? -1 : loc; }
+
+// State row of SWA location swa (one ring per SWA page).
+DSV4_HD int64_t paged_slot(const SlotLookup& s, int64_t swa) {
+  if (swa < 0) return -1;
+  // swa_page_size >= ring, so this never exceeds swa: no overflow.
+  const int64_t slot = (swa / s.swa_page_size) * s.ring + swa % s.ring;
   return slot > kMaxSeqLen ? -1 : slot;
 }
 
+// State row of position p of request rid in request-ring mode.
+DSV4_HD int64_t ring_slot(const SlotLookup& s, int64_t rid, int64_t p) {
+  if (rid < 0 || p < 0) return -1;
+  if (s.req_to_token.data != nullptr && rid >= s.r2t_rows) return -1;
+  // A larger rid gives a slot above 2^31 - 1 anyway; below it, rid * ring fits in 64 bits (the host
+  // checks keep ring below 2^31).
+  if (rid > kMaxSeqLen) return -1;
+  const int64_t slot = rid * s.ring + p % s.ring;
+  return slot > kMaxSeqLen ? -1 : slot;
+}
+
+// State row of position p of request rid, or -1 for an invalid lookup. Computed in 64 bits; a slot
+// above 2^31 - 1 is invalid too.
+DSV4_HD int64_t state_slot(const SlotLookup& s, int64_t rid, int64_t p) {
+  if (!s.paged) return ring_slot(s, rid, p);
+  const int64_t index = token_index(s, rid, p);
+  const int64_t loc = index < 0 ? -1 : checked_loc(s, s.req_to_token[index]);
+  return loc < 0 ? -1 : paged_slot(s, s.full_to_swa[loc]);
+}
+
 // page(slot): -1 for a failed lookup, never a truncated negative quotient.
-DSV4_HD int32_t state_page(int64_t slot, int ratio) { return slot < 0 ? -1 : int32_t(slot / ratio); }
+// Slots come from state_slot, so they lie in [-1, 2^31).
+DSV4_HD int32_t state_page(int64_t slot, int ratio) { return slot < 0 ? -1 : int32_t(position_div(slot, ratio)); }
 
 // ---- decode planner (§3.4) ----
 
@@ -160,8 +185,9 @@ struct RequestPlan {
 
 // Band positions (p % sps >= sps - 4) in [0, x), for x >= 0.
 DSV4_HD int64_t band_positions_below(int64_t x, int64_t sps) {
-  const int64_t tail = x % sps - (sps - 4);
-  return (x / sps) * 4 + (tail > 0 ? tail : 0);
+  const int64_t pages = x / sps;  // one division for quotient and remainder
+  const int64_t tail = (x - pages * sps) - (sps - 4);
+  return pages * 4 + (tail > 0 ? tail : 0);
 }
 
 // `seq_len` and `extend_len` as read (planned_*), `off` the sum of the earlier requests' extend_len.
@@ -179,12 +205,12 @@ DSV4_HD RequestPlan plan_request(const PlanGeometry& g, int64_t seq_len, int64_t
     rp.t = rp.a;
     return rp;
   }
-  // z > a >= 0, so L > 0 and the divisions below are of non-negative numbers.
-  const int64_t last_c = (L / g.ratio) * g.ratio;
+  // z > a >= 0, so 0 < L < 2^31 and every quotient below is of a position.
+  const int64_t last_c = position_div(L, g.ratio) * g.ratio;
   const int64_t overlap_chunk = g.ratio == 4 ? 4 : 0;
   const int64_t first_w = (last_c - overlap_chunk) < (L - g.mtp_pad) ? (last_c - overlap_chunk) : (L - g.mtp_pad);
   rp.t = rp.a > first_w ? rp.a : first_w;
-  rp.n_c = rp.z / g.ratio - rp.a / g.ratio;
+  rp.n_c = position_div(rp.z, g.ratio) - position_div(rp.a, g.ratio);
   const int64_t band_end = rp.z < rp.t ? rp.z : rp.t;
   if (g.band) {
     rp.band_base = band_positions_below(rp.a, g.swa_page_size);
@@ -197,7 +223,7 @@ DSV4_HD RequestPlan plan_request(const PlanGeometry& g, int64_t seq_len, int64_t
 // The k-th CompressPlan entry of a request (k < n_c), stage 0: read_page_1 carries the batch index.
 DSV4_HD CompressEntry compress_entry_stage0(const PlanGeometry& g, const RequestPlan& rp, int64_t k,
                                             int64_t batch) {
-  const int64_t p = (rp.a / g.ratio + 1 + k) * g.ratio - 1;
+  const int64_t p = (position_div(rp.a, g.ratio) + 1 + k) * g.ratio - 1;
   const int64_t j = p - rp.prefix;
   const int64_t in_window = j + 1 < g.window ? j + 1 : g.window;
   CompressEntry e;
@@ -225,26 +251,42 @@ DSV4_HD WriteEntry write_entry_stage0(const PlanGeometry& g, const RequestPlan& 
 
 // ---- stage 1 (§3.2): table lookups, in place ----
 
-DSV4_HD void finalize_compress_entry(CompressEntry& e, int64_t rid, const SlotLookup& s, int ratio) {
-  if (e.seq_len == kInvalidPlanWord) return;
-  if (e.buffer_len == 0) {
-    e.read_page_0 = -1;
-    e.read_page_1 = -1;
-    return;
-  }
+// Positions whose state slots give a compress entry's pages: read_page_1 from p = seq_len - 1 and
+// read_page_0 from p - 4 (c4, p >= 7); -1 where the page is -1 without a lookup (state_slot(-1) is -1).
+struct CompressReads {
+  int64_t p1, p0;
+};
+
+DSV4_HD CompressReads compress_reads(const CompressEntry& e, int ratio) {
+  if (e.seq_len == kInvalidPlanWord || e.buffer_len == 0) return CompressReads{-1, -1};
   const int64_t p = int64_t(e.seq_len) - 1;
-  e.read_page_1 = state_page(state_slot(s, rid, p), ratio);
-  e.read_page_0 = (ratio == 4 && p >= 2 * ratio - 1) ? state_page(state_slot(s, rid, p - ratio), ratio) : -1;
+  return CompressReads{p, (ratio == 4 && p >= 2 * ratio - 1) ? p - ratio : -1};
+}
+
+// Stage 1 of a compress entry from the slots of its compress_reads positions.
+DSV4_HD void set_compress_pages(CompressEntry& e, int64_t slot_1, int64_t slot_0, int ratio) {
+  if (e.seq_len == kInvalidPlanWord) return;
+  e.read_page_1 = state_page(slot_1, ratio);
+  e.read_page_0 = state_page(slot_0, ratio);
+}
+
+DSV4_HD void finalize_compress_entry(CompressEntry& e, int64_t rid, const SlotLookup& s, int ratio) {
+  const CompressReads r = compress_reads(e, ratio);
+  set_compress_pages(e, state_slot(s, rid, r.p1), state_slot(s, rid, r.p0), ratio);
 }
 
 // `rid` must be req_pool_indices[stage0_batch(e)].
 DSV4_HD int64_t stage0_batch(const WriteEntry& e) { return int64_t(e.word0 >> 16); }
 
-DSV4_HD void finalize_write_entry(WriteEntry& e, int64_t rid, const SlotLookup& s) {
+// Stage 1 of a write entry from the slot of its position (stage-0 write_loc - 1).
+DSV4_HD void set_write_slot(WriteEntry& e, int64_t slot) {
   if (e.word0 == kInvalidPlanWord) return;
-  const int64_t p = int64_t(e.write_loc) - 1;
   e.word0 &= 0xFFFFu;
-  e.write_loc = int32_t(state_slot(s, rid, p));
+  e.write_loc = int32_t(slot);
+}
+
+DSV4_HD void finalize_write_entry(WriteEntry& e, int64_t rid, const SlotLookup& s) {
+  set_write_slot(e, state_slot(s, rid, int64_t(e.write_loc) - 1));
 }
 
 }  // namespace dsv4
