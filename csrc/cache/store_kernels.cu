@@ -45,18 +45,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
   quantize_main_lane<L>(x, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
-// Indexer rows are short (256 B of bf16), so a warp stores four of them, 8 lanes x 16 dims each,
-// to keep enough bytes in flight.
-constexpr int kIndexerStoreLaneDims = 16;
-constexpr int kIndexerLanesPerRow = kIndexerDim / kIndexerStoreLaneDims;  // 8
-constexpr int kIndexerRowsPerWarp = 32 / kIndexerLanesPerRow;            // 4
+// Indexer rows: four per warp, 8 lanes x 16 dims each (warp_quant.cuh).
+constexpr int kIndexerRowsPerWarp = 32 / kIndexerGroupLanes;  // 4
 
 template <IndexerFormat F, bool InputFp32>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_indexer_kernel(StoreParams p) {
   const int lane = threadIdx.x & 31;
-  const int sub = lane % kIndexerLanesPerRow;
+  const int sub = lane % kIndexerGroupLanes;
   const int64_t token = (int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * kIndexerRowsPerWarp +
-                        lane / kIndexerLanesPerRow;
+                        lane / kIndexerGroupLanes;
   pdl_wait_dependencies();
   if (token >= p.n) return;  // whole 8-lane groups leave together
   const int64_t slot = p.slots[token];
@@ -64,10 +61,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_indexer_kernel(Stor
 
   const size_t elem = InputFp32 ? 4 : 2;
   const char* row = static_cast<const char*>(p.input.data) + token * p.input.row_stride * elem;
-  float x[kIndexerStoreLaneDims];
-  load_widen<kIndexerStoreLaneDims, InputFp32>(row + sub * kIndexerStoreLaneDims * elem, x);
+  float x[kIndexerGroupLaneDims];
+  load_widen<kIndexerGroupLaneDims, InputFp32>(row + sub * kIndexerGroupLaneDims * elem, x);
   pdl_launch_dependents();
-  quantize_indexer_lane<F, kIndexerStoreLaneDims>(x, sub, p.cache.data_row(slot), p.cache.scale_row(slot));
+  quantize_indexer_lane<F, kIndexerGroupLaneDims>(x, sub, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
 // One warp per unit of work (a main row, or four indexer rows).

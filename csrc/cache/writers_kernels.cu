@@ -1,7 +1,7 @@
-// CUDA kernels of the norm + RoPE cache writers: one token per warp, 4 warps per block. Main rows:
-// lane l owns dims [16l, 16l+16) (lanes 28..31 the RoPE tail) for the norm and the quantizer, and
-// rotates RoPE pair l; indexer rows: dims [4l, 4l+4). Lane 0 resolves the row's slot and position
-// (from out_loc/positions or the plan entry).
+// CUDA kernels of the norm + RoPE cache writers, 4 warps per block. Main rows: one per warp, lane l owns
+// dims [16l, 16l+16) (lanes 28..31 the RoPE tail) for the norm and the quantizer, and rotates RoPE pair
+// l; indexer rows: four per warp, lane s of a row's 8 owns dims [16s, 16s+16). A row's first lane
+// resolves its slot and position (from out_loc/positions or the plan entry).
 #include "writers_launch.h"
 #include "dsv4/hadamard.cuh"
 #include "dsv4/launch.cuh"
@@ -28,13 +28,15 @@ struct RowTarget {
   int64_t position;
 };
 
-// Lane 0 reads the row's indices (and plan entry), the warp receives them by shuffle; returns
-// whether the row is written.
+// The first lane of the row's lanes (an aligned group of `width` lanes named by `mask`: the warp, or 8
+// lanes of an indexer row) reads the row's indices (and plan entry), the others receive them by
+// shuffle; returns whether the row is written.
 template <RowSource S>
-__device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t token, int lane,
-                                            RowTarget& t) {
+__device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t token, int lane, unsigned mask,
+                                            int width, RowTarget& t) {
+  const bool leader = lane % width == 0;
   long long slot = -1, position = -1;
-  if (lane == 0) {
+  if (leader) {
     if constexpr (S == RowSource::KWriter) {
       slot = p.out_loc[token];
       position = p.positions[token];
@@ -59,14 +61,14 @@ __device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t tok
       }
     }
   }
-  const int take = lane == 0 && p.cache.valid(slot) && position_in_table(position, p.max_pos);
-  t.slot = __shfl_sync(kFullMask, slot, 0);
-  t.position = __shfl_sync(kFullMask, position, 0);
-  return __shfl_sync(kFullMask, take, 0) != 0;
+  const int take = leader && p.cache.valid(slot) && position_in_table(position, p.max_pos);
+  t.slot = __shfl_sync(mask, slot, 0, width);
+  t.position = __shfl_sync(mask, position, 0, width);
+  return __shfl_sync(mask, take, 0, width) != 0;
 }
 
 // The K writer and the prefill compress writer store every row but padding, so their row and weight
-// loads go out before lane 0's index loads and the two latencies overlap. A decode compress row is
+// loads go out before the index loads and the two latencies overlap. A decode compress row is
 // written only when its request closes a window (one step in `ratio`), so it is resolved first.
 constexpr bool loads_before_indices(RowSource s) { return s != RowSource::CompressDecode; }
 
@@ -104,7 +106,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(Nor
   constexpr bool kLoadFirst = loads_before_indices(S);
   if constexpr (kLoadFirst) load_row_and_weight();
   RowTarget t;
-  if (!resolve_row<S>(p, token, lane, t)) return;
+  if (!resolve_row<S>(p, token, lane, kFullMask, 32, t)) return;
   if constexpr (!kLoadFirst) load_row_and_weight();
   const float2 cs = load_table_pair(p.freqs + t.position * kRopeDim, lane);
   pdl_launch_dependents();
@@ -119,47 +121,50 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(Nor
 }
 
 // Compress indexer writer: RMSNorm, rotation of dims 64..127 and the Hadamard transform in fp32
-// (no bf16 rounding anywhere), then the indexer quantizer.
+// (no bf16 rounding anywhere), then the indexer quantizer. Four rows per warp, 8 lanes x 16 dims each
+// (one row per warp left 4 dims of work per lane against the per-row index, reduction and shuffle
+// costs). A row's lanes leave together, and every shuffle names only them.
+constexpr int kIndexerRowsPerWarp = 32 / kIndexerGroupLanes;  // 4
+
 template <IndexerFormat F, bool KvFp32, RowSource S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(NormRopeParams p) {
+  constexpr int D = kIndexerGroupLaneDims;  // 16
   const int lane = threadIdx.x & 31;
-  const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int sub = lane % kIndexerGroupLanes;
+  const unsigned mask = 0xFFu << (lane & ~(kIndexerGroupLanes - 1));
+  const int64_t token = (int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * kIndexerRowsPerWarp +
+                        lane / kIndexerGroupLanes;
   pdl_wait_dependencies();
   if (token >= p.n) return;
   constexpr size_t kElem = KvFp32 ? 4 : 2;
-  constexpr int kRopeFirstIndexerLane = (kIndexerDim - kRopeDim) / kIndexerLaneDims;  // 16
+  constexpr int kRopeFirstSub = (kIndexerDim - kRopeDim) / D;  // 4: lanes 4..7 hold dims 64..127
   const char* row = static_cast<const char*>(p.kv.data) + token * p.kv.row_stride * kElem;
-  float x[kIndexerLaneDims], w[kIndexerLaneDims], f[kIndexerLaneDims];
+  float x[D], w[D], f[D];
   const auto load_row_and_weight = [&] {
-    load_widen4<KvFp32>(row + lane * kIndexerLaneDims * kElem, x);
-    if (p.weight_fp32) {
-      load_widen4<true>(static_cast<const float*>(p.weight) + lane * kIndexerLaneDims, w);
-    } else {
-      load_widen4<false>(static_cast<const uint16_t*>(p.weight) + lane * kIndexerLaneDims, w);
-    }
+    load_widen<D, KvFp32>(row + sub * D * kElem, x);
+    load_weight<D>(p, sub * D, w);
   };
   constexpr bool kLoadFirst = loads_before_indices(S);
   if constexpr (kLoadFirst) load_row_and_weight();
   RowTarget t;
-  if (!resolve_row<S>(p, token, lane, t)) return;
+  if (!resolve_row<S>(p, token, lane, mask, kIndexerGroupLanes, t)) return;
   if constexpr (!kLoadFirst) load_row_and_weight();
-  const bool rope_lane = lane >= kRopeFirstIndexerLane;
-  if (rope_lane) {
-    load_widen4<true>(p.freqs + t.position * kRopeDim + (lane - kRopeFirstIndexerLane) * kIndexerLaneDims, f);
-  }
+  const bool rope_lane = sub >= kRopeFirstSub;
+  if (rope_lane) load_widen<D, true>(p.freqs + t.position * kRopeDim + (sub - kRopeFirstSub) * D, f);
   pdl_launch_dependents();
 
-  float y[kIndexerLaneDims];
-  warp_rms_norm<kIndexerLaneDims>(x, w, p.eps, y);
+  float y[D];
+  group_rms_norm128(x, w, p.eps, mask, y);
   if (rope_lane) {
-    rotate_pair(y[0], y[1], f[0], f[1]);
-    rotate_pair(y[2], y[3], f[2], f[3]);
+#pragma unroll
+    for (int j = 0; j < D; j += 2) rotate_pair(y[j], y[j + 1], f[j], f[j + 1]);
   }
-  warp_hadamard128(y, lane);
-  quantize_indexer_lane<F>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
+  group_hadamard128(y, sub, mask);
+  quantize_indexer_lane<F, D>(y, sub, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
 }
 
-dim3 token_grid(int64_t n) { return dim3(unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
+// One warp per unit of work (a main row, or four indexer rows).
+dim3 token_grid(int64_t warps) { return dim3(unsigned((warps + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
 
 template <KVLayout L, RowSource S>
 void launch_main(const NormRopeParams& p, cudaStream_t stream, const char* name) {
@@ -180,8 +185,9 @@ void launch_main_layout(KVLayout layout, const NormRopeParams& p, cudaStream_t s
 template <IndexerFormat F, RowSource S>
 void launch_indexer(const NormRopeParams& p, cudaStream_t stream) {
   const bool fp32 = p.kv.type == ElemType::FP32;
+  const int64_t warps = (p.n + kIndexerRowsPerWarp - 1) / kIndexerRowsPerWarp;
   launch_kernel(fp32 ? norm_rope_indexer_kernel<F, true, S> : norm_rope_indexer_kernel<F, false, S>,
-                token_grid(p.n), dim3(kWarpsPerBlock * 32), 0, stream, "compress_norm_rope_store", p);
+                token_grid(warps), dim3(kWarpsPerBlock * 32), 0, stream, "compress_norm_rope_store", p);
 }
 
 template <RowSource S>

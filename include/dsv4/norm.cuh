@@ -72,6 +72,32 @@ __device__ __forceinline__ void warp_rms_norm(const float* x, const float* w, fl
 #pragma unroll
   for (int j = 0; j < G; ++j) y[j] = rms_scale(x[j], r, w[j]);
 }
+
+// RMSNorm of a D = 128 row held by an aligned group of 8 lanes (`mask`), lane s holding dims [16s, 16s+16),
+// i.e. the four 4-dim groups 4s..4s+3 of §1.2. Step 1 stays in the lane; step 2's levels h = 16, 8, 4
+// pair lane s with lane s ^ 4, ^ 2, ^ 1 (each lane adds the same two partials, in either order: fp32 add
+// is commutative), and levels h = 2, 1 are the lane's own partials. All 8 lanes end with the same ss.
+__device__ __forceinline__ void group_rms_norm128(const float* x, const float* w, float eps, unsigned mask,
+                                                  float* y) {
+  constexpr int G = 4, kLaneGroups = 4;
+  float partial[kLaneGroups];
+#pragma unroll
+  for (int g = 0; g < kLaneGroups; ++g) {
+    float q[G];
+#pragma unroll
+    for (int j = 0; j < G; ++j) q[j] = __fmul_rn(x[G * g + j], x[G * g + j]);
+    partial[g] = rms_group_partial<G>(q);
+  }
+#pragma unroll
+  for (int m = 4; m >= 1; m /= 2) {
+#pragma unroll
+    for (int g = 0; g < kLaneGroups; ++g) partial[g] = __fadd_rn(partial[g], __shfl_xor_sync(mask, partial[g], m));
+  }
+  const float s = __fadd_rn(__fadd_rn(partial[0], partial[2]), __fadd_rn(partial[1], partial[3]));
+  const float r = rms_inverse(s, G * 32, eps);
+#pragma unroll
+  for (int j = 0; j < G * kLaneGroups; ++j) y[j] = rms_scale(x[j], r, w[j]);
+}
 #endif
 
 }  // namespace dsv4

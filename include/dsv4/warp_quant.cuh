@@ -1,6 +1,6 @@
-// Warp-level row quantizers of the CUDA writers: one token per warp. Main layouts: lane l holds
-// dims [16l, 16l+16) (lanes 28..31 hold the 64 RoPE dims); indexer formats: lane l holds dims
-// [4l, 4l+4). Every lane of the warp must call these (tile amax uses shuffles).
+// Warp-level row quantizers of the CUDA writers. Main layouts: one token per warp, lane l holds dims
+// [16l, 16l+16) (lanes 28..31 hold the 64 RoPE dims); indexer formats: a row on 128 / LaneDims adjacent
+// lanes. Every lane of the row must call these (tile amax uses shuffles).
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,10 @@ namespace dsv4 {
 
 constexpr int kLaneDims = kMainDim / 32;                // 16
 constexpr int kRopeFirstLane = kV4NopeDim / kLaneDims;  // 28: lanes 28..31 own the RoPE dims
-constexpr int kIndexerLaneDims = kIndexerDim / 32;      // 4 (one row per warp)
+// Indexer rows are short (128 dims), so a warp takes four: 8 lanes x 16 dims each, which keeps enough
+// bytes in flight and amortizes the per-row index and reduction work.
+constexpr int kIndexerGroupLanes = 8;
+constexpr int kIndexerGroupLaneDims = kIndexerDim / kIndexerGroupLanes;  // 16
 
 // Quantizes this lane's 16 values of the row into the layout's data and scale rows. The tile
 // amax is reduced over the lanes that share a tile (V4: 4, V41: 2, V41_FP4: 1).
@@ -64,7 +67,7 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int lane, uin
 // (`sub` = the lane's index among them). fp8: one tile of 128, its fp32 scale stored by sub-lane 0;
 // fp4: tiles of 32, each scale byte stored by the tile's first lane. The data row is only 4-byte
 // aligned in general (indexer caches), so wide stores are chosen from the address.
-template <IndexerFormat F, int LaneDims = kIndexerLaneDims>
+template <IndexerFormat F, int LaneDims>
 __device__ __forceinline__ void quantize_indexer_lane(const float* x, int sub, uint8_t* data,
                                                       uint8_t* scale) {
   static_assert(LaneDims % 4 == 0 && LaneDims <= 32, "a lane holds whole 4-element words");
