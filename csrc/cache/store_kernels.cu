@@ -46,8 +46,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
 }
 
 // Indexer rows: four per warp, 8 lanes x 16 dims each (warp_quant.cuh).
-constexpr int kIndexerRowsPerWarp = 32 / kIndexerGroupLanes;  // 4
-
 template <IndexerFormat F, bool InputFp32>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_indexer_kernel(StoreParams p) {
   const int lane = threadIdx.x & 31;

@@ -124,14 +124,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(Nor
 // (no bf16 rounding anywhere), then the indexer quantizer. Four rows per warp, 8 lanes x 16 dims each
 // (one row per warp left 4 dims of work per lane against the per-row index, reduction and shuffle
 // costs). A row's lanes leave together, and every shuffle names only them.
-constexpr int kIndexerRowsPerWarp = 32 / kIndexerGroupLanes;  // 4
 
 template <IndexerFormat F, bool KvFp32, RowSource S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(NormRopeParams p) {
   constexpr int D = kIndexerGroupLaneDims;  // 16
   const int lane = threadIdx.x & 31;
   const int sub = lane % kIndexerGroupLanes;
-  const unsigned mask = 0xFFu << (lane & ~(kIndexerGroupLanes - 1));
+  const unsigned mask = ((1u << kIndexerGroupLanes) - 1u) << (lane & ~(kIndexerGroupLanes - 1));
   const int64_t token = (int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * kIndexerRowsPerWarp +
                         lane / kIndexerGroupLanes;
   pdl_wait_dependencies();

@@ -17,6 +17,7 @@ constexpr int kRopeFirstLane = kV4NopeDim / kLaneDims;  // 28: lanes 28..31 own 
 // bytes in flight and amortizes the per-row index and reduction work.
 constexpr int kIndexerGroupLanes = 8;
 constexpr int kIndexerGroupLaneDims = kIndexerDim / kIndexerGroupLanes;  // 16
+constexpr int kIndexerRowsPerWarp = 32 / kIndexerGroupLanes;             // 4
 
 // Quantizes this lane's 16 values of the row into the layout's data and scale rows. The tile
 // amax is reduced over the lanes that share a tile (V4: 4, V41: 2, V41_FP4: 1).
