@@ -86,6 +86,25 @@ __device__ __forceinline__ void load_weight(const NormRopeParams& p, int first, 
   }
 }
 
+// Loads this lane's N input values (from dim `first`) and their weights, and resolves the row (its lanes:
+// `mask`, `width`), issuing the loads before or after the index loads as loads_before_indices(S) says.
+// Returns whether the row is written.
+template <RowSource S, bool KvFp32, int N>
+__device__ __forceinline__ bool load_and_resolve_row(const NormRopeParams& p, int64_t token, int lane,
+                                                     unsigned mask, int width, int first, float* x, float* w,
+                                                     RowTarget& t) {
+  constexpr size_t kElem = KvFp32 ? 4 : 2;
+  const char* row = static_cast<const char*>(p.kv.data) + (token * p.kv.row_stride + first) * kElem;
+  const auto load_row_and_weight = [&] {
+    load_widen<N, KvFp32>(row, x);
+    load_weight<N>(p, first, w);
+  };
+  if constexpr (loads_before_indices(S)) load_row_and_weight();
+  if (!resolve_row<S>(p, token, lane, mask, width, t)) return false;
+  if constexpr (!loads_before_indices(S)) load_row_and_weight();
+  return true;
+}
+
 // K writer (S == KWriter) and compress main writer. V4 quantizes the nope dims of y (rounded to
 // bf16 first on the compress path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4 round y
 // to bf16, rotate the bf16 tail, round again and quantize all 512 values (§1.6).
@@ -96,18 +115,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(Nor
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   pdl_wait_dependencies();
   if (token >= p.n) return;
-  constexpr size_t kElem = KvFp32 ? 4 : 2;
-  const char* row = static_cast<const char*>(p.kv.data) + token * p.kv.row_stride * kElem;
   float x[kLaneDims], w[kLaneDims];
-  const auto load_row_and_weight = [&] {
-    load_widen<kLaneDims, KvFp32>(row + lane * kLaneDims * kElem, x);
-    load_weight<kLaneDims>(p, lane * kLaneDims, w);
-  };
-  constexpr bool kLoadFirst = loads_before_indices(S);
-  if constexpr (kLoadFirst) load_row_and_weight();
   RowTarget t;
-  if (!resolve_row<S>(p, token, lane, kFullMask, 32, t)) return;
-  if constexpr (!kLoadFirst) load_row_and_weight();
+  const int first = lane * kLaneDims;
+  if (!load_and_resolve_row<S, KvFp32, kLaneDims>(p, token, lane, kFullMask, 32, first, x, w, t)) return;
   const float2 cs = load_table_pair(p.freqs + t.position * kRopeDim, lane);
   pdl_launch_dependents();
 
@@ -135,19 +146,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
                         lane / kIndexerGroupLanes;
   pdl_wait_dependencies();
   if (token >= p.n) return;
-  constexpr size_t kElem = KvFp32 ? 4 : 2;
   constexpr int kRopeFirstSub = (kIndexerDim - kRopeDim) / D;  // 4: lanes 4..7 hold dims 64..127
-  const char* row = static_cast<const char*>(p.kv.data) + token * p.kv.row_stride * kElem;
   float x[D], w[D], f[D];
-  const auto load_row_and_weight = [&] {
-    load_widen<D, KvFp32>(row + sub * D * kElem, x);
-    load_weight<D>(p, sub * D, w);
-  };
-  constexpr bool kLoadFirst = loads_before_indices(S);
-  if constexpr (kLoadFirst) load_row_and_weight();
   RowTarget t;
-  if (!resolve_row<S>(p, token, lane, mask, kIndexerGroupLanes, t)) return;
-  if constexpr (!kLoadFirst) load_row_and_weight();
+  if (!load_and_resolve_row<S, KvFp32, D>(p, token, lane, mask, kIndexerGroupLanes, sub * D, x, w, t)) return;
   const bool rope_lane = sub >= kRopeFirstSub;
   if (rope_lane) load_widen<D, true>(p.freqs + t.position * kRopeDim + (sub - kRopeFirstSub) * D, f);
   pdl_launch_dependents();
