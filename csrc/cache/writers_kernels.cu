@@ -28,37 +28,46 @@ struct RowTarget {
   int64_t position;
 };
 
-// The first lane of the row's lanes (an aligned group of `width` lanes named by `mask`: the warp, or 8
-// lanes of an indexer row) reads the row's indices (and plan entry), the others receive them by
-// shuffle; returns whether the row is written.
+// A row's index loads, issued by the first lane of its lanes ahead of their use: the slot and
+// position (K writer), or the plan entry (compress writers; a decode row's slot is out_loc[row], one
+// entry per plan row as the op checks, so it is loaded with the entry instead of after it).
+struct RowIndices {
+  long long slot = -1;
+  long long position = -1;
+  uint2 entry = make_uint2(0u, 0u);
+};
+
 template <RowSource S>
-__device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t token, int lane, unsigned mask,
-                                            int width, RowTarget& t) {
+__device__ __forceinline__ RowIndices load_row_indices(const NormRopeParams& p, int64_t token, bool leader) {
+  RowIndices r;
+  if (!leader) return r;
+  if constexpr (S == RowSource::KWriter) {
+    r.slot = p.out_loc[token];
+    r.position = p.positions[token];
+  } else {
+    if constexpr (S == RowSource::CompressDecode) r.slot = p.out_loc[token];
+    r.entry = *reinterpret_cast<const uint2*>(p.plan + token * kPlanEntryBytes);
+  }
+  return r;
+}
+
+// Resolves a row from its loaded indices on the first lane of the row's lanes (an aligned group of
+// `width` lanes named by `mask`: the warp, or 8 lanes of an indexer row; a prefill row's slot load
+// from out_loc happens here) and shares the result; returns whether the row is written.
+template <RowSource S>
+__device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t token, const RowIndices& r, int lane,
+                                            unsigned mask, int width, RowTarget& t) {
   const bool leader = lane % width == 0;
-  long long slot = -1, position = -1;
-  if (leader) {
-    if constexpr (S == RowSource::KWriter) {
-      slot = p.out_loc[token];
-      position = p.positions[token];
-    } else if constexpr (S == RowSource::CompressDecode) {
-      // A decode row's slot is out_loc[row] (one entry per plan row, checked by the op), so its load
-      // goes out together with the plan entry's instead of after it.
-      const long long row_slot = p.out_loc[token];
-      const uint2 entry = *reinterpret_cast<const uint2*>(p.plan + token * kPlanEntryBytes);
-      const CompressRowPick pick = pick_compress_row(true, entry.x, entry.y, token, p.compress_ratio,
-                                                     p.out_loc_len);
-      if (pick.take) {
-        slot = row_slot;
-        position = pick.position;
-      }
-    } else {
-      const uint2 entry = *reinterpret_cast<const uint2*>(p.plan + token * kPlanEntryBytes);
-      const CompressRowPick pick = pick_compress_row(false, entry.x, entry.y, token, p.compress_ratio,
-                                                     p.out_loc_len);
-      if (pick.take) {
-        slot = p.out_loc[pick.out_loc_index];
-        position = pick.position;
-      }
+  long long slot = r.slot, position = r.position;
+  if constexpr (S != RowSource::KWriter) {
+    const bool decode = S == RowSource::CompressDecode;
+    const CompressRowPick pick = pick_compress_row(decode, r.entry.x, r.entry.y, token, p.compress_ratio,
+                                                   p.out_loc_len);
+    position = pick.position;
+    if (!pick.take) {
+      slot = -1;
+    } else if (!decode && leader) {
+      slot = p.out_loc[pick.out_loc_index];
     }
   }
   const int take = leader && p.cache.valid(slot) && position_in_table(position, p.max_pos);
@@ -67,15 +76,10 @@ __device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t tok
   return __shfl_sync(mask, take, 0, width) != 0;
 }
 
-// The K writer and the prefill compress writer store every row but padding, so their row and weight
-// loads go out before the index loads and the two latencies overlap. A decode compress row is
-// written only when its request closes a window (one step in `ratio`), so it is resolved first.
-constexpr bool loads_before_indices(RowSource s) { return s != RowSource::CompressDecode; }
-
-__device__ __forceinline__ void round_lane_to_bf16(float* v) {
-#pragma unroll
-  for (int i = 0; i < kLaneDims; ++i) v[i] = round_to_bf16(v[i]);
-}
+// The K writer and the prefill compress writer store every row but padding, so their row loads go
+// out before the index loads and the two latencies overlap. A decode compress row is written only
+// when its request closes a window (one step in `ratio`), so it is resolved first.
+constexpr bool loads_rows_ahead(RowSource s) { return s != RowSource::CompressDecode; }
 
 template <int N>
 __device__ __forceinline__ void load_weight(const NormRopeParams& p, int first, float* w) {
@@ -86,49 +90,75 @@ __device__ __forceinline__ void load_weight(const NormRopeParams& p, int first, 
   }
 }
 
-// Loads this lane's N input values (from dim `first`) and their weights, and resolves the row (its lanes:
-// `mask`, `width`), issuing the loads before or after the index loads as loads_before_indices(S) says.
-// Returns whether the row is written.
+// Where this lane's input values of a row start (dim `first`).
+template <bool KvFp32>
+__device__ __forceinline__ const void* lane_input(const NormRopeParams& p, int64_t token, int first) {
+  constexpr size_t kElem = KvFp32 ? 4 : 2;
+  return static_cast<const char*>(p.kv.data) + (token * p.kv.row_stride + first) * kElem;
+}
+
+// Loads this lane's N input values (from dim `first`, not yet widened) and their weights, and
+// resolves the row (its lanes: `mask`, `width`), issuing the loads before or after the index loads as
+// loads_rows_ahead(S) says. Returns whether the row is written.
 template <RowSource S, bool KvFp32, int N>
 __device__ __forceinline__ bool load_and_resolve_row(const NormRopeParams& p, int64_t token, int lane,
-                                                     unsigned mask, int width, int first, float* x, float* w,
-                                                     RowTarget& t) {
-  constexpr size_t kElem = KvFp32 ? 4 : 2;
-  const char* row = static_cast<const char*>(p.kv.data) + (token * p.kv.row_stride + first) * kElem;
-  const auto load_row_and_weight = [&] {
-    load_widen<N, KvFp32>(row, x);
+                                                     unsigned mask, int width, int first,
+                                                     RawElements<N, KvFp32>& raw, float* w, RowTarget& t) {
+  if constexpr (loads_rows_ahead(S)) {
+    load_raw(lane_input<KvFp32>(p, token, first), raw);
     load_weight<N>(p, first, w);
-  };
-  if constexpr (loads_before_indices(S)) load_row_and_weight();
-  if (!resolve_row<S>(p, token, lane, mask, width, t)) return false;
-  if constexpr (!loads_before_indices(S)) load_row_and_weight();
+  }
+  const RowIndices indices = load_row_indices<S>(p, token, lane % width == 0);
+  if (!resolve_row<S>(p, token, indices, lane, mask, width, t)) return false;
+  if constexpr (!loads_rows_ahead(S)) {
+    load_raw(lane_input<KvFp32>(p, token, first), raw);
+    load_weight<N>(p, first, w);
+  }
   return true;
 }
 
-// K writer (S == KWriter) and compress main writer. V4 quantizes the nope dims of y (rounded to
-// bf16 first on the compress path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4 round y
-// to bf16, rotate the bf16 tail, round again and quantize all 512 values (§1.6).
+__device__ __forceinline__ void round_lane_to_bf16(float* v) {
+#pragma unroll
+  for (int i = 0; i < kLaneDims; i += 2) round_pair_to_bf16(v[i], v[i + 1]);
+}
+
+// Normalizes, rotates and quantizes one main row (this lane's raw input values and weights) into
+// its slot. V4 quantizes the nope dims of y (rounded to bf16 first on the compress path) and stores
+// the rotated fp32 tail as bf16; V41 / V41_FP4 round y to bf16, rotate the bf16 tail, round again and
+// quantize all 512 values (§1.6).
 template <KVLayout L, bool KvFp32, RowSource S>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_main_kernel(NormRopeParams p) {
+__device__ __forceinline__ void write_main_row(const NormRopeParams& p, const RawElements<kLaneDims, KvFp32>& raw,
+                                               const float* w, const RowTarget& t, int lane, float2* tail) {
+  const float2 cs = load_table_pair(p.freqs + t.position * kRopeDim, lane);
+  float x[kLaneDims], y[kLaneDims];
+  widen_raw<kLaneDims, KvFp32>(raw, x);
+  warp_rms_norm<kLaneDims>(x, w, p.eps, y);
+  const bool round_first = L != KVLayout::V4 || (S != RowSource::KWriter && lane < kRopeFirstLane);
+  if (round_first) round_lane_to_bf16(y);
+  // V4 stores the rotated fp32 tail as bf16 itself; V41 / V41_FP4 round it here.
+  rotate_tail_across_warp<L != KVLayout::V4>(y, cs, lane, tail);
+  quantize_main_lane<L>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
+}
+
+// K writer (S == KWriter) and compress main writer, one row per warp. The bound of 10 blocks per SM
+// (48 registers) keeps the V41_FP4 variants at full occupancy, with no spills. (Half a warp per row,
+// 32 dims per lane, issued 21 % fewer instructions per row but needed 94 registers: half the
+// occupancy, and the K writer ran 35 % slower.)
+template <KVLayout L, bool KvFp32, RowSource S>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel(NormRopeParams p) {
   __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
   const int lane = threadIdx.x & 31;
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   pdl_wait_dependencies();
   if (token >= p.n) return;
-  float x[kLaneDims], w[kLaneDims];
+  RawElements<kLaneDims, KvFp32> row;
+  float w[kLaneDims];
   RowTarget t;
-  const int first = lane * kLaneDims;
-  if (!load_and_resolve_row<S, KvFp32, kLaneDims>(p, token, lane, kFullMask, 32, first, x, w, t)) return;
-  const float2 cs = load_table_pair(p.freqs + t.position * kRopeDim, lane);
+  if (!load_and_resolve_row<S, KvFp32, kLaneDims>(p, token, lane, kFullMask, 32, lane * kLaneDims, row, w, t)) {
+    return;
+  }
   pdl_launch_dependents();
-
-  float y[kLaneDims];
-  warp_rms_norm<kLaneDims>(x, w, p.eps, y);
-  const bool round_first = L != KVLayout::V4 || (S != RowSource::KWriter && lane < kRopeFirstLane);
-  if (round_first) round_lane_to_bf16(y);
-  // V4 stores the rotated fp32 tail as bf16 itself; V41 / V41_FP4 round it here.
-  rotate_tail_across_warp<L != KVLayout::V4>(y, cs, lane, tails[threadIdx.x >> 5]);
-  quantize_main_lane<L>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
+  write_main_row<L, KvFp32, S>(p, row, w, t, lane, tails[threadIdx.x >> 5]);
 }
 
 // Compress indexer writer: RMSNorm, rotation of dims 64..127 and the Hadamard transform in fp32
@@ -147,15 +177,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
   pdl_wait_dependencies();
   if (token >= p.n) return;
   constexpr int kRopeFirstSub = (kIndexerDim - kRopeDim) / D;  // 4: lanes 4..7 hold dims 64..127
-  float x[D], w[D], f[D];
+  RawElements<D, KvFp32> raw;
+  float w[D], f[D];
   RowTarget t;
-  if (!load_and_resolve_row<S, KvFp32, D>(p, token, lane, mask, kIndexerGroupLanes, sub * D, x, w, t)) return;
+  if (!load_and_resolve_row<S, KvFp32, D>(p, token, lane, mask, kIndexerGroupLanes, sub * D, raw, w, t)) return;
   const bool rope_lane = sub >= kRopeFirstSub;
   if (rope_lane) load_widen<D, true>(p.freqs + t.position * kRopeDim + (sub - kRopeFirstSub) * D, f);
   pdl_launch_dependents();
 
-  float y[D];
-  group_rms_norm128(x, w, p.eps, mask, y);
+  float x[D], y[D];
+  widen_raw<D, KvFp32>(raw, x);
+  lanes_rms_norm<kIndexerDim / 32, D / (kIndexerDim / 32)>(x, w, p.eps, mask, y);
   if (rope_lane) {
 #pragma unroll
     for (int j = 0; j < D; j += 2) rotate_pair(y[j], y[j + 1], f[j], f[j + 1]);

@@ -56,47 +56,43 @@ inline void rms_norm_row(const float* x, const float* w, float eps, float* y) {
 }
 
 #if defined(__CUDACC__)
-// Warp RMSNorm: this lane holds the G = D/32 values of group `lane` in x (and their weights in w)
-// and receives its G outputs in y. Step 2 of §1.2 is shfl_xor with masks 16, 8, 4, 2, 1: lane l < h
-// adds s_{l+h}, the others add the same two partials in the other order (fp32 add is commutative),
-// so every lane ends with the same ss. All 32 lanes must call this.
-template <int G>
-__device__ __forceinline__ void warp_rms_norm(const float* x, const float* w, float eps, float* y) {
-  float q[G];
+// RMSNorm of a D = 32 * G row held by an aligned group of 32 / LaneGroups lanes (`mask`), each holding
+// LaneGroups consecutive groups of G dims of §1.2 (x: its G * LaneGroups values, w: their weights; y
+// receives its outputs). Step 1 stays in the lane. In step 2, a level h >= LaneGroups pairs group g
+// with group g + h, which sits at the same place on lane ^ (h / LaneGroups): shfl_xor, where lane and
+// partner add the same two partials in either order (fp32 add is commutative); the levels
+// h < LaneGroups add the lane's own partials. Every lane of the group ends with the same ss.
+// Used as a whole warp (LaneGroups 1), a half warp (2) and 8 lanes of a D = 128 row (G 4, LaneGroups 4).
+template <int G, int LaneGroups>
+__device__ __forceinline__ void lanes_rms_norm(const float* x, const float* w, float eps, unsigned mask,
+                                               float* y) {
+  float partial[LaneGroups];
 #pragma unroll
-  for (int j = 0; j < G; ++j) q[j] = __fmul_rn(x[j], x[j]);
-  float s = rms_group_partial<G>(q);
-#pragma unroll
-  for (int mask = 16; mask >= 1; mask /= 2) s = __fadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, mask));
-  const float r = rms_inverse(s, 32 * G, eps);
-#pragma unroll
-  for (int j = 0; j < G; ++j) y[j] = rms_scale(x[j], r, w[j]);
-}
-
-// RMSNorm of a D = 128 row held by an aligned group of 8 lanes (`mask`), lane s holding dims [16s, 16s+16),
-// i.e. the four 4-dim groups 4s..4s+3 of §1.2. Step 1 stays in the lane; step 2's levels h = 16, 8, 4
-// pair lane s with lane s ^ 4, ^ 2, ^ 1 (each lane adds the same two partials, in either order: fp32 add
-// is commutative), and levels h = 2, 1 are the lane's own partials. All 8 lanes end with the same ss.
-__device__ __forceinline__ void group_rms_norm128(const float* x, const float* w, float eps, unsigned mask,
-                                                  float* y) {
-  constexpr int G = 4, kLaneGroups = 4;
-  float partial[kLaneGroups];
-#pragma unroll
-  for (int g = 0; g < kLaneGroups; ++g) {
+  for (int g = 0; g < LaneGroups; ++g) {
     float q[G];
 #pragma unroll
     for (int j = 0; j < G; ++j) q[j] = __fmul_rn(x[G * g + j], x[G * g + j]);
     partial[g] = rms_group_partial<G>(q);
   }
 #pragma unroll
-  for (int m = 4; m >= 1; m /= 2) {
+  for (int m = 16 / LaneGroups; m >= 1; m /= 2) {
 #pragma unroll
-    for (int g = 0; g < kLaneGroups; ++g) partial[g] = __fadd_rn(partial[g], __shfl_xor_sync(mask, partial[g], m));
+    for (int g = 0; g < LaneGroups; ++g) partial[g] = __fadd_rn(partial[g], __shfl_xor_sync(mask, partial[g], m));
   }
-  const float s = __fadd_rn(__fadd_rn(partial[0], partial[2]), __fadd_rn(partial[1], partial[3]));
-  const float r = rms_inverse(s, G * 32, eps);
 #pragma unroll
-  for (int j = 0; j < G * kLaneGroups; ++j) y[j] = rms_scale(x[j], r, w[j]);
+  for (int h = LaneGroups / 2; h >= 1; h /= 2) {
+#pragma unroll
+    for (int g = 0; g < h; ++g) partial[g] = __fadd_rn(partial[g], partial[g + h]);
+  }
+  const float r = rms_inverse(partial[0], 32 * G, eps);
+#pragma unroll
+  for (int j = 0; j < G * LaneGroups; ++j) y[j] = rms_scale(x[j], r, w[j]);
+}
+
+// Whole-warp RMSNorm: lane l holds group l (G values). All 32 lanes must call this.
+template <int G>
+__device__ __forceinline__ void warp_rms_norm(const float* x, const float* w, float eps, float* y) {
+  lanes_rms_norm<G, 1>(x, w, eps, 0xFFFFFFFFu, y);
 }
 #endif
 

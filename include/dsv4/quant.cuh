@@ -238,6 +238,21 @@ DSV4_HD uint16_t f32_to_bf16(float v) {
 // Round v to bf16 and widen it back.
 DSV4_HD float round_to_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
+#if defined(__CUDACC__)
+// Two values rounded to bf16 (RNE) by one packed conversion: lo in bits 0..15, hi in bits 16..31.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// round_to_bf16 of a pair, with one conversion instead of two.
+__device__ __forceinline__ void round_pair_to_bf16(float& lo, float& hi) {
+  const uint32_t packed = pack_bf16x2(lo, hi);
+  lo = bits_f32(packed << 16);
+  hi = bits_f32(packed & 0xFFFF0000u);
+}
+#endif
+
 DSV4_HD float f16_to_f32(uint16_t h) {
 #if defined(__CUDA_ARCH__)
   return __half2float(__ushort_as_half(h));

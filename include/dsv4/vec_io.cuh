@@ -14,43 +14,77 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-// Loads N (a multiple of 8) consecutive bf16/fp16/fp32 elements (ElemBits 16 or 32, IsHalf selects
-// fp16 over bf16) and widens them to fp32.
+// N (a multiple of 8) consecutive bf16/fp16/fp32 elements as they were loaded, before widening, so a
+// load can be issued well ahead of the code that waits for it.
+template <int N, bool IsFp32>
+struct RawElements {
+  static constexpr int kVectors = N * (IsFp32 ? 4 : 2) / 16;
+  uint4 v[kVectors];
+};
+
+// Element-by-element fallback of load_raw for a misaligned source (each 32-bit word takes one fp32
+// or two 16-bit elements). The loop is kept rolled (through a local buffer) so that the compiler emits
+// it as a branch: unrolled, it would be if-converted into predicated loads that every aligned call
+// still issues.
+template <int N, bool IsFp32>
+__device__ __forceinline__ void load_raw_misaligned(const void* src, RawElements<N, IsFp32>& raw) {
+  constexpr int kWords = 4 * RawElements<N, IsFp32>::kVectors;
+  uint32_t buffer[kWords];
+#pragma unroll 1
+  for (int i = 0; i < kWords; ++i) {
+    if constexpr (IsFp32) {
+      buffer[i] = __ldg(static_cast<const uint32_t*>(src) + i);
+    } else {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + 2 * i;
+      buffer[i] = uint32_t(__ldg(s)) | (uint32_t(__ldg(s + 1)) << 16);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < RawElements<N, IsFp32>::kVectors; ++k) {
+    raw.v[k] = make_uint4(buffer[4 * k], buffer[4 * k + 1], buffer[4 * k + 2], buffer[4 * k + 3]);
+  }
+}
+
+// Issues the loads of N elements: 16-byte loads when the source is 16-byte aligned.
+template <int N, bool IsFp32>
+__device__ __forceinline__ void load_raw(const void* src, RawElements<N, IsFp32>& raw) {
+  if (!aligned16(src)) {
+    load_raw_misaligned(src, raw);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < RawElements<N, IsFp32>::kVectors; ++k) {
+    raw.v[k] = __ldg(static_cast<const uint4*>(src) + k);
+  }
+}
+
+// Widens loaded elements to fp32 (IsHalf selects fp16 over bf16); a bf16 takes one shift or mask.
+template <int N, bool IsFp32, bool IsHalf = false>
+__device__ __forceinline__ void widen_raw(const RawElements<N, IsFp32>& raw, float* out) {
+#pragma unroll
+  for (int k = 0; k < RawElements<N, IsFp32>::kVectors; ++k) {
+    const uint32_t w[4] = {raw.v[k].x, raw.v[k].y, raw.v[k].z, raw.v[k].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (IsFp32) {
+        out[4 * k + j] = bits_f32(w[j]);
+      } else if constexpr (IsHalf) {
+        out[8 * k + 2 * j] = f16_to_f32(uint16_t(w[j] & 0xFFFF));
+        out[8 * k + 2 * j + 1] = f16_to_f32(uint16_t(w[j] >> 16));
+      } else {
+        out[8 * k + 2 * j] = bits_f32(w[j] << 16);
+        out[8 * k + 2 * j + 1] = bits_f32(w[j] & 0xFFFF0000u);
+      }
+    }
+  }
+}
+
+// Loads N (a multiple of 8) consecutive bf16/fp16/fp32 elements and widens them to fp32.
 template <int N, bool IsFp32, bool IsHalf = false>
 __device__ __forceinline__ void load_widen(const void* src, float* out) {
-  if constexpr (IsFp32) {
-    const float* s = static_cast<const float*>(src);
-    if (aligned16(s)) {
-#pragma unroll
-      for (int i = 0; i < N; i += 4) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(s + i));
-        out[i] = v.x; out[i + 1] = v.y; out[i + 2] = v.z; out[i + 3] = v.w;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) out[i] = __ldg(s + i);
-    }
-  } else {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    uint16_t h[N];
-    if (aligned16(s)) {
-#pragma unroll
-      for (int i = 0; i < N; i += 8) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(s + i));
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          h[i + 2 * k] = uint16_t(w[k] & 0xFFFF);
-          h[i + 2 * k + 1] = uint16_t(w[k] >> 16);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) h[i] = __ldg(s + i);
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = IsHalf ? f16_to_f32(h[i]) : bf16_to_f32(h[i]);
-  }
+  RawElements<N, IsFp32> raw;
+  load_raw(src, raw);
+  widen_raw<N, IsFp32, IsHalf>(raw, out);
 }
 
 // Loads 4 elements (indexer rows): 8 bytes of bf16 or 16 bytes of fp32.
@@ -111,12 +145,12 @@ __device__ __forceinline__ void store_f32(float* dst, const float* v) {
   }
 }
 
-// Max over an aligned group of `lanes` lanes (a power of two <= 32). The shuffle mask names only
-// the group, so a group may leave early while others of its warp continue.
+// Max over an aligned group of `lanes` lanes (a power of two <= 32) of finite values (tile amax). The
+// shuffle mask names only the group, so a group may leave early while others of its warp continue.
 __device__ __forceinline__ float warp_max_xor(float v, int lanes) {
   const unsigned lane = threadIdx.x & 31;
   const unsigned group = lanes >= 32 ? 0xFFFFFFFFu : (((1u << lanes) - 1u) << (lane & ~unsigned(lanes - 1)));
-  for (int mask = 1; mask < lanes; mask <<= 1) v = fmax_f32(v, __shfl_xor_sync(group, v, mask));
+  for (int mask = 1; mask < lanes; mask <<= 1) v = fmaxf(v, __shfl_xor_sync(group, v, mask));
   return v;
 }
 

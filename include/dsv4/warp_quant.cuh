@@ -11,6 +11,23 @@
 
 namespace dsv4 {
 
+// max |x_i| over N (a power of two) values as a tree of depth log2(N) rather than a chain of N
+// dependent steps; each step is one FMNMX with absolute-value operands. Exact (max is), equal to the
+// sequential fmax_f32 / fabs_f32 scan on finite values; NaN/Inf inputs are outside the writers' and
+// the store's contract (bytes unspecified), where the two may differ.
+template <int N>
+__device__ __forceinline__ float abs_max(const float* x) {
+  float m[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) m[i] = fmaxf(fabsf(x[2 * i]), fabsf(x[2 * i + 1]));
+#pragma unroll
+  for (int h = N / 4; h >= 1; h /= 2) {
+#pragma unroll
+    for (int i = 0; i < h; ++i) m[i] = fmaxf(m[i], m[i + h]);
+  }
+  return m[0];
+}
+
 constexpr int kLaneDims = kMainDim / 32;                // 16
 constexpr int kRopeFirstLane = kV4NopeDim / kLaneDims;  // 28: lanes 28..31 own the RoPE dims
 // Indexer rows are short (128 dims), so a warp takes four: 8 lanes x 16 dims each, which keeps enough
@@ -25,10 +42,7 @@ template <KVLayout L>
 __device__ __forceinline__ void quantize_main_lane(const float* x, int lane, uint8_t* data,
                                                    uint8_t* scale) {
   constexpr int kTile = LayoutTraits<L>::kTile;
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kLaneDims; ++i) amax = fmax_f32(amax, fabs_f32(x[i]));
-  amax = warp_max_xor(amax, kTile / kLaneDims);
+  const float amax = warp_max_xor(abs_max<kLaneDims>(x), kTile / kLaneDims);
 
   if constexpr (L == KVLayout::V41_FP4) {
     const uint8_t scale_byte = v41_fp4_scale_byte(amax);
@@ -43,7 +57,7 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int lane, uin
       // RoPE dims stay bf16: 16 values = 32 bytes at 448 + 32 * (lane - 28).
       uint32_t w[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) w[k] = f32_to_bf16(x[2 * k]) | (uint32_t(f32_to_bf16(x[2 * k + 1])) << 16);
+      for (int k = 0; k < 8; ++k) w[k] = pack_bf16x2(x[2 * k], x[2 * k + 1]);
       uint4* dst = reinterpret_cast<uint4*>(data + kV4NopeDim + 32 * (lane - kRopeFirstLane));
       dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
       dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
@@ -73,9 +87,7 @@ __device__ __forceinline__ void quantize_indexer_lane(const float* x, int sub, u
                                                       uint8_t* scale) {
   static_assert(LaneDims % 4 == 0 && LaneDims <= 32, "a lane holds whole 4-element words");
   constexpr int kLanesPerRow = kIndexerDim / LaneDims;
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < LaneDims; ++i) amax = fmax_f32(amax, fabs_f32(x[i]));
+  float amax = abs_max<LaneDims>(x);
   uint32_t words[LaneDims / 4];  // fp8: 4 codes per word; fp4: 8 codes per word (first half used)
   if constexpr (F == IndexerFormat::FP8) {
     amax = warp_max_xor(amax, kLanesPerRow);

@@ -36,7 +36,7 @@ __device__ __forceinline__ void rotate_tail_across_warp(float* y, float2 cs, int
   __syncwarp();
   float2 v = tail[lane];
   rotate_pair(v.x, v.y, cs.x, cs.y);
-  if (RoundAfter) v = make_float2(round_to_bf16(v.x), round_to_bf16(v.y));
+  if (RoundAfter) round_pair_to_bf16(v.x, v.y);
   tail[lane] = v;
   __syncwarp();
   if (lane >= kRopeFirstLane) {
