@@ -24,8 +24,9 @@ def _check_config(op, ratio, swa_page_size, ring, use_req_ring, req_to_token, fu
                  _msg(op, f"ring_size must be a multiple of {ratio} and >= the window of {window} rows, got {ring}"))
     paged = ratio == 4 and not use_req_ring
     if paged:
-        torch._check(swa_page_size > 0 and swa_page_size % ring == 0,
-                     _msg(op, f"swa_page_size must be a positive multiple of ring_size={ring} in paged mode"))
+        torch._check(swa_page_size > 0 and swa_page_size % ring == 0 and swa_page_size <= 0x7FFFFFFF,
+                     _msg(op, f"swa_page_size must be a positive multiple of ring_size={ring} and at most "
+                              "2^31 - 1 in paged mode"))
         torch._check(req_to_token is not None, _msg(op, "req_to_token is required in paged mode"))
         torch._check(full_to_swa is not None, _msg(op, "full_to_swa is required in paged mode"))
     if req_to_token is not None:

@@ -117,6 +117,9 @@ def random_case(B, ratio, ring, paged, seed, sps=256, max_len=3000, max_extend=2
         r2t.view(-1)[torch.randint(0, r2t.numel(), (r2t.numel() // 50,), generator=g)] = -1
         f2s[torch.randint(0, F, (F // 50,), generator=g)] = -7
         rids[torch.rand(B, generator=g) < 0.05] = R + 3  # out of the table
+        # SWA locations above 2^31 - 1 (int64 tables): some still give a valid slot
+        big = torch.randint(0, F, (F // 50,), generator=g)
+        f2s[big] = torch.randint(1 << 31, 1 << 36, (big.numel(),), generator=g)
     nq = int(E.sum()) + num_q_slack
     kw = dict(compress_ratio=ratio, swa_page_size=sps if paged else 0, ring_size=ring, use_req_ring=not paged)
     return dict(rids=rids, L=L.int(), E=E, r2t=r2t.int(), f2s=f2s, nq=nq, kw=kw)
@@ -128,8 +131,11 @@ def ref_plans(c, use_cuda_graph):
                                      kw["swa_page_size"], kw["ring_size"], kw["use_req_ring"], use_cuda_graph)
 
 
-CONFIGS = [(4, 8, True), (4, 16, True), (4, 16, False), (128, 128, False), (128, 256, False)]
-CONFIG_IDS = ["c4-ring8-paged", "c4-ring16-paged", "c4-ring16-reqring", "c128-ring128", "c128-ring256"]
+# (ratio, ring, paged, swa_page_size); the last two have rings and pages that are not powers of two.
+CONFIGS = [(4, 8, True, 256), (4, 16, True, 256), (4, 16, False, 0), (128, 128, False, 0), (128, 256, False, 0),
+           (4, 24, True, 120), (128, 384, False, 0)]
+CONFIG_IDS = ["c4-ring8-paged", "c4-ring16-paged", "c4-ring16-reqring", "c128-ring128", "c128-ring256",
+              "c4-ring24-paged-sps120", "c128-ring384"]
 
 
 # GPU-input path: B <= 32 runs one warp, 100 several (with more rows than a request's thread writes
@@ -138,9 +144,9 @@ BATCHES = [1, 7, 100, 1025, 3000]
 
 
 @pytest.mark.parametrize("B", BATCHES)
-@pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
-def test_cpu_planners_match_reference(B, ratio, ring, paged):
-    c = random_case(B, ratio, ring, paged, "cpu", max_extend=24 if B < 1000 else 6)
+@pytest.mark.parametrize("ratio,ring,paged,sps", CONFIGS, ids=CONFIG_IDS)
+def test_cpu_planners_match_reference(B, ratio, ring, paged, sps):
+    c = random_case(B, ratio, ring, paged, "cpu", sps=sps, max_extend=24 if B < 1000 else 6)
     for use_cuda_graph in (False, True):
         rc, rw = ref_plans(c, use_cuda_graph)
         got = dsv4.plan_compress_prefill(c["rids"], c["L"], c["E"], c["r2t"], c["f2s"], num_q_tokens=c["nq"],
@@ -159,10 +165,10 @@ def test_cpu_planners_match_reference(B, ratio, ring, paged):
 
 @cuda_only
 @pytest.mark.parametrize("B", BATCHES)
-@pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
-def test_every_path_gives_the_same_bytes(B, ratio, ring, paged):
+@pytest.mark.parametrize("ratio,ring,paged,sps", CONFIGS, ids=CONFIG_IDS)
+def test_every_path_gives_the_same_bytes(B, ratio, ring, paged, sps):
     """CPU op, host-input path, GPU-input path and both _out variants; the decode planner on CPU and CUDA."""
-    c = random_case(B, ratio, ring, paged, "gpu", max_extend=24 if B < 1000 else 6)
+    c = random_case(B, ratio, ring, paged, "gpu", sps=sps, max_extend=24 if B < 1000 else 6)
     rc, rw = ref_plans(c, True)
     n_c = int(ref.unpack_plan(rc, "compress")["valid"].sum())
     n_w = int(ref.unpack_plan(rw, "write")["valid"].sum())
@@ -192,17 +198,24 @@ def test_every_path_gives_the_same_bytes(B, ratio, ring, paged):
 
 
 @cuda_only
-@pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
-def test_gpu_path_out_of_envelope_inputs_stay_in_bounds(ratio, ring, paged):
+@pytest.mark.parametrize("ratio,ring,paged,sps", CONFIGS, ids=CONFIG_IDS)
+def test_gpu_path_out_of_envelope_inputs_stay_in_bounds(ratio, ring, paged, sps):
     """The GPU path reads no values: negative E counts as 0, tokens at p < 0 or with ragged id >=
-    num_q_tokens emit nothing (an underfilled replay cannot overrun), as the §3.3 loop says."""
-    c = random_case(300, ratio, ring, paged, "envelope", num_q_slack=0)
+    num_q_tokens emit nothing (an underfilled replay cannot overrun), as the §3.3 loop says; E beyond int32
+    and L = 0 plan nothing."""
+    c = random_case(300, ratio, ring, paged, "envelope", sps=sps, num_q_slack=0)
     g = gen("envelope")
     c["E"][torch.rand(300, generator=g) < 0.1] = -5
     over = torch.rand(300, generator=g) < 0.1
     c["E"][over] = c["L"][over].long() + 3  # p < 0 for the first tokens
     c["nq"] = max(1, int(c["E"].clamp_min(0).sum()) // 2)  # underfilled
-    rc, rw = ref_plans(c, True)
+    c["L"][torch.rand(300, generator=g) < 0.05] = 0  # no rows, whatever E
+    # E beyond int32 in the tail, which the GPU path clamps: like any E >= L + num_q_tokens, it plans no row
+    # and uses up the ragged tokens, so the reference (which walks every token) gets L + num_q_tokens instead.
+    huge = torch.zeros(300, dtype=torch.bool)
+    huge[290:] = torch.rand(10, generator=g) < 0.5
+    rc, rw = ref_plans(dict(c, E=torch.where(huge, c["L"].long() + c["nq"], c["E"])), True)
+    c["E"][huge] = 1 << 40
     cu = {k: c[k].cuda() for k in ("rids", "L", "E", "r2t", "f2s")}
     p = dsv4.plan_compress_prefill(cu["rids"], cu["L"], cu["E"], cu["r2t"], cu["f2s"], num_q_tokens=c["nq"], **c["kw"])
     assert torch.equal(p.plan.cpu(), rc) and torch.equal(p.plan_w.cpu(), rw)
@@ -210,13 +223,13 @@ def test_gpu_path_out_of_envelope_inputs_stay_in_bounds(ratio, ring, paged):
 
 @cuda_only
 @pytest.mark.parametrize("B", [1, 7, 32, 33, 100, 300, 1024])
-@pytest.mark.parametrize("ratio,ring,paged", CONFIGS, ids=CONFIG_IDS)
-def test_gpu_path_verify_batches(B, ratio, ring, paged):
+@pytest.mark.parametrize("ratio,ring,paged,sps", CONFIGS, ids=CONFIG_IDS)
+def test_gpu_path_verify_batches(B, ratio, ring, paged, sps):
     """Verify/extend batches of decode size (every E <= 8), whose rows the GPU path's per-request threads
     write themselves, the rest of each plan being sentinels: one warp (B <= 32) or several, one slice of
     256 owner threads or several, padded rows (rid 0, prefix 0), invalid lookups, both table dtypes, spare
     rows, and an underfilled num_q_tokens that cuts a request's rows short."""
-    c = random_case(B, ratio, ring, paged, "verify", max_extend=9)
+    c = random_case(B, ratio, ring, paged, "verify", sps=sps, max_extend=9)
     pad = torch.rand(B, generator=gen("verify-pad", B, ratio, ring)) < 0.2
     c["rids"][pad] = 0
     c["L"][pad] = c["E"][pad].int()
@@ -487,6 +500,7 @@ COMMON_BAD = [
     ("c128_ring", dict(compress_ratio=128, ring_size=64, use_req_ring=True), "ring_size"),
     ("sps_zero", dict(swa_page_size=0), "swa_page_size"),
     ("sps_multiple", dict(swa_page_size=24), "swa_page_size"),
+    ("sps_too_large", dict(swa_page_size=2**31), "swa_page_size"),
     ("no_req_to_token", dict(req_to_token=None), "req_to_token"),
     ("no_full_to_swa", dict(full_to_swa=None), "full_to_swa"),
     ("r2t_dtype", dict(req_to_token=torch.zeros(4, 64, dtype=torch.int16)), "req_to_token"),

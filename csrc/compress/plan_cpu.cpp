@@ -10,9 +10,9 @@ namespace {
 // Calls visit(b, request_plan) for every request, in batch order.
 template <class Visit>
 void for_each_request(const PrefillPlanParams& p, Visit&& visit) {
-  int64_t off = 0;
+  int32_t off = 0;  // at most num_q_tokens: the host checks sum(extend_lens) <= num_q_tokens
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t extend = planned_extend_len(p.extend_lens[b]);
+    const int32_t extend = planned_extend_len(p.extend_lens[b]);
     visit(b, plan_request(p.geometry, planned_seq_len(p.seq_lens[b]), extend, off));
     off += extend;
   }
@@ -32,10 +32,10 @@ PlanTotals prefill_totals_host(const PrefillPlanParams& p) {
 void prefill_stage0_host(const PrefillPlanParams& p) {
   int64_t row_c = 0, row_w = 0;
   for_each_request(p, [&](int64_t b, const RequestPlan& rp) {
-    for (int64_t k = 0; k < rp.n_c && row_c < p.rows_c; ++k) {
+    for (int32_t k = 0; k < rp.n_c && row_c < p.rows_c; ++k) {
       p.plan_c[row_c++] = compress_entry_stage0(p.geometry, rp, k, b);
     }
-    for (int64_t k = 0; k < rp.n_w && row_w < p.rows_w; ++k) {
+    for (int32_t k = 0; k < rp.n_w && row_w < p.rows_w; ++k) {
       p.plan_w[row_w++] = write_entry_stage0(p.geometry, rp, k, b);
     }
   });

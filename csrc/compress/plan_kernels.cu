@@ -201,7 +201,7 @@ __device__ void emit_rows(const PrefillPlanParams& p, const RequestStarts* start
     if (row < total_c) {
       const int64_t b = find_request<false>(starts, p.batch, row);
       const RequestStarts s = starts[b];
-      const int64_t k = row - s.start_c;
+      const int32_t k = int32_t(row) - s.start_c;
       mine = k >= owned_c;
       if (mine) {
         e = compress_entry_stage0(g, plan_request(g, s.seq_len, s.extend_len, s.off), k, b);
@@ -216,7 +216,7 @@ __device__ void emit_rows(const PrefillPlanParams& p, const RequestStarts* start
     if (row < total_w) {
       const int64_t b = find_request<true>(starts, p.batch, row);
       const RequestStarts s = starts[b];
-      const int64_t k = row - s.start_w;
+      const int32_t k = int32_t(row) - s.start_w;
       mine = k >= owned_w;
       if (mine) {
         e = write_entry_stage0(g, plan_request(g, s.seq_len, s.extend_len, s.off), k, b);
@@ -267,7 +267,7 @@ struct SlotPrefetch {
   uint32_t loaded;  // paged: bit k is set when v[k] was loaded (a -1 in the chain skips the load)
 
   // Round 1, for positions p[k] (-1: none).
-  __device__ __forceinline__ void start(const SlotLookup& s, int64_t rid, const int64_t (&p)[N]) {
+  __device__ __forceinline__ void start(const SlotLookup& s, int64_t rid, const int32_t (&p)[N]) {
     if (!s.paged) {
 #pragma unroll
       for (int k = 0; k < N; ++k) v[k] = uint64_t(ring_slot(s, rid, p[k]));
@@ -316,7 +316,7 @@ struct OwnedRows {
   __device__ __forceinline__ void start_lookups(const PrefillPlanParams& p, const RequestInput& in,
                                                 const RequestPlan& rp0, int64_t b) {
     const PlanGeometry& g = p.geometry;
-    int64_t pos[kOwnedSlots];
+    int32_t pos[kOwnedSlots];
     if (compress) {
 #pragma unroll
       for (int k = 0; k < kOwnedCompress; ++k) {
@@ -334,14 +334,18 @@ struct OwnedRows {
 
   __device__ __forceinline__ void continue_lookups(const PrefillPlanParams& p) { slots.advance(p.lookup); }
 
-  // After the scans: the final entries, at the request's rows (start + k < total <= num_q_tokens rows).
-  __device__ __forceinline__ void write(const PrefillPlanParams& p, const RequestInput& in, const RequestStarts& s,
-                                        int64_t b) const {
+  // After the scans: the final entries, at the request's rows (start + k < total <= num_q_tokens rows). The
+  // real plan is rp0 with the real ragged offset and counts (see start_lookups), so it is not planned again.
+  __device__ __forceinline__ void write(const PrefillPlanParams& p, const RequestPlan& rp0, const RequestStarts& s,
+                                        ScanPair counts, int64_t b) const {
     const PlanGeometry& g = p.geometry;
     int32_t slot[kOwnedSlots];  // in [-1, 2^31): half the registers of the loaded entries
 #pragma unroll
     for (int k = 0; k < kOwnedSlots; ++k) slot[k] = int32_t(slots.slot(p.lookup, k));
-    const RequestPlan rp = plan_request(g, in.seq_len, in.extend_len, s.off);
+    RequestPlan rp = rp0;
+    rp.off = s.off;
+    rp.n_c = counts.x;
+    rp.n_w = counts.y;
     if (compress) {
 #pragma unroll
       for (int k = 0; k < kOwnedCompress; ++k) {
@@ -391,7 +395,7 @@ __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPl
   const RequestStarts s = scan_starts(in, off, counts, carry);
   if (in.live) starts[b] = s;
   const bool unowned_rows = __syncthreads_or(counts.x > kOwnedCompress || counts.y > kOwnedWrites);
-  if (owner) own.write(p, in, s, b);  // first: its registers are free before the row path's
+  if (owner) own.write(p, rp0, s, counts, b);  // first: its registers are free before the row path's
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + b;
   if (unowned_rows) {
     emit_rows(p, starts, carry.c, carry.w, row, kOwnedCompress, kOwnedWrites);

@@ -37,18 +37,19 @@ PlanConfig check_plan_config(const char* op, int64_t ratio, int64_t swa_page_siz
   PlanConfig c{};
   c.ratio = int(ratio);
   c.paged = ratio == 4 && !use_req_ring;  // c128 always uses request rings
-  c.lookup.ring = ring;
+  c.lookup.ring = make_divider(uint32_t(ring));
   c.lookup.paged = c.paged;
   c.lookup.req_to_token = optional_index_view(req_to_token);
   if (c.paged) {
-    DSV4_CHECK(swa_page_size > 0 && swa_page_size % ring == 0, op,
-               "swa_page_size must be a positive multiple of ring_size=", ring, " in paged mode, got ",
-               swa_page_size);
+    // The planners' slot and band arithmetic is 32-bit, as for ring_size.
+    DSV4_CHECK(swa_page_size > 0 && swa_page_size % ring == 0 && swa_page_size <= kMaxSeqLen, op,
+               "swa_page_size must be a positive multiple of ring_size=", ring,
+               " and at most 2^31 - 1 in paged mode, got ", swa_page_size);
     DSV4_CHECK(req_to_token.has_value(), op, "req_to_token is required in paged mode (use_req_ring=False)");
     DSV4_CHECK(full_to_swa.has_value(), op, "full_to_swa is required in paged mode (use_req_ring=False)");
-    c.lookup.swa_page_size = swa_page_size;
+    c.lookup.swa_page = make_divider(uint32_t(swa_page_size));
   } else {
-    c.lookup.swa_page_size = ring;
+    c.lookup.swa_page = c.lookup.ring;  // unused
   }
   if (req_to_token.has_value()) {
     const Tensor& t = *req_to_token;
@@ -161,7 +162,7 @@ PrefillSetup check_prefill(const char* op, const Tensor& req_pool_indices, const
   p.extend_lens = index_view(extend_lens);
   p.batch = batch;
   p.lookup = c.lookup;
-  p.geometry = plan_geometry(c.ratio, ring, c.lookup.swa_page_size, c.paged, num_q_tokens);
+  p.geometry = plan_geometry(c.ratio, c.lookup, int32_t(num_q_tokens));
   if (path != PrefillPath::GpuInput) {
     // Host lengths: the §3.7 value checks.
     int64_t sum = 0;

@@ -1,10 +1,12 @@
 // Integer rules of the c4/c128 compression plans (compressors.md §2.2, §3): entry layouts and
 // sentinels, the state-slot lookup, page(), stage-0 packing, per-request counts and the k-th entry of
-// each plan. The CPU planner and the CUDA planner both build every byte from these functions.
+// each plan. The CPU planner and the CUDA planner both build every byte from these functions. Positions,
+// lengths and counts are 32-bit: the host checks and the planners' clamps keep them below 2^31.
 #pragma once
 
 #include <cstdint>
 
+#include "dsv4/divider.cuh"
 #include "dsv4/kv_layout.cuh"
 
 namespace dsv4 {
@@ -58,13 +60,15 @@ DSV4_HD uint32_t pack_batch_ragged(int64_t batch, int64_t ragged) {
 DSV4_HD constexpr int compress_window(int ratio) { return ratio == 4 ? 2 * ratio : ratio; }
 
 // Ring rows a verify may need beyond the window; 0 for a non-speculative ring (ring == window).
-DSV4_HD constexpr int64_t mtp_pad(int ratio, int64_t ring) {
+DSV4_HD constexpr int32_t mtp_pad(int ratio, int32_t ring) {
   return ring > compress_window(ratio) ? ring - compress_window(ratio) + 2 : 0;
 }
 
-// x / d for a length or position and a ratio (0 <= x, d < 2^31): a 32-bit division. A 64-bit one costs
-// the GPU a range test and a branch around each quotient on the planners' latency chains.
-DSV4_HD int64_t position_div(int64_t x, int64_t d) { return int64_t(uint32_t(x) / uint32_t(d)); }
+// The ratio is 4 or 128 (checked on the host), so a chunk index is a shift, not a division.
+DSV4_HD constexpr int ratio_log2(int ratio) { return ratio == 4 ? 2 : 7; }
+
+// Index of the ratio-sized chunk holding position (or length) x >= 0.
+DSV4_HD int32_t chunk_of(int32_t x, int ratio) { return int32_t(uint32_t(x) >> ratio_log2(ratio)); }
 
 // ---- index tensors ----
 
@@ -84,8 +88,8 @@ struct SlotLookup {
   int64_t r2t_rows, r2t_cols, r2t_stride;
   IndexView full_to_swa;   // [f2s_len]; paged mode only
   int64_t f2s_len;
-  int64_t ring;
-  int64_t swa_page_size;
+  Divider ring;            // ring_size (< 2^31, checked on the host)
+  Divider swa_page;        // swa_page_size (< 2^31, checked on the host); paged mode only
   bool paged;              // paged c4; otherwise request rings
 };
 
@@ -94,36 +98,48 @@ struct SlotLookup {
 // slot = paged_slot(full_to_swa[checked_loc(req_to_token[token_index(rid, p)])]), where each step turns
 // an invalid lookup into -1 and a -1 skips the load that follows.
 
+// Positions p passed to the lookups lie in [-1, 2^31 - 1).
+
 // Element index of req_to_token[rid, p], or -1 outside the table.
-DSV4_HD int64_t token_index(const SlotLookup& s, int64_t rid, int64_t p) {
+DSV4_HD int64_t token_index(const SlotLookup& s, int64_t rid, int32_t p) {
   return (rid < 0 || p < 0 || rid >= s.r2t_rows || p >= s.r2t_cols) ? -1 : rid * s.r2t_stride + p;
 }
 
 // A full location read from req_to_token, or -1 outside full_to_swa.
 DSV4_HD int64_t checked_loc(const SlotLookup& s, int64_t loc) { return (loc < 0 || loc >= s.f2s_len) ? -1 : loc; }
 
-// State row of SWA location swa (one ring per SWA page).
-DSV4_HD int64_t paged_slot(const SlotLookup& s, int64_t swa) {
-  if (swa < 0) return -1;
-  // swa_page_size >= ring, so this never exceeds swa: no overflow.
-  const int64_t slot = (swa / s.swa_page_size) * s.ring + swa % s.ring;
+// paged_slot of an swa above 2^31 - 1 (int64 tables only). Out of line on the GPU: the 64-bit division is
+// long and rare, and inlined at every lookup it would make up a fifth of the prefill planner's code.
+#if defined(__CUDACC__)
+__host__ __device__ __noinline__
+#endif
+inline int64_t wide_paged_slot(const SlotLookup& s, int64_t swa) {
+  const int64_t slot = (swa / s.swa_page.divisor) * s.ring.divisor + swa % s.ring.divisor;
   return slot > kMaxSeqLen ? -1 : slot;
 }
 
+// State row of SWA location swa (one ring per SWA page). swa_page_size >= ring, so the slot never
+// exceeds swa: below 2^31 it is valid and 32-bit arithmetic suffices.
+DSV4_HD int64_t paged_slot(const SlotLookup& s, int64_t swa) {
+  if (swa < 0) return -1;
+  if (swa <= kMaxSeqLen) return int64_t(s.swa_page.div(uint32_t(swa)) * s.ring.divisor + s.ring.mod(uint32_t(swa)));
+  return wide_paged_slot(s, swa);
+}
+
 // State row of position p of request rid in request-ring mode.
-DSV4_HD int64_t ring_slot(const SlotLookup& s, int64_t rid, int64_t p) {
+DSV4_HD int64_t ring_slot(const SlotLookup& s, int64_t rid, int32_t p) {
   if (rid < 0 || p < 0) return -1;
   if (s.req_to_token.data != nullptr && rid >= s.r2t_rows) return -1;
   // A larger rid gives a slot above 2^31 - 1 anyway; below it, rid * ring fits in 64 bits (the host
   // checks keep ring below 2^31).
   if (rid > kMaxSeqLen) return -1;
-  const int64_t slot = rid * s.ring + p % s.ring;
+  const int64_t slot = rid * s.ring.divisor + s.ring.mod(uint32_t(p));
   return slot > kMaxSeqLen ? -1 : slot;
 }
 
 // State row of position p of request rid, or -1 for an invalid lookup. Computed in 64 bits; a slot
 // above 2^31 - 1 is invalid too.
-DSV4_HD int64_t state_slot(const SlotLookup& s, int64_t rid, int64_t p) {
+DSV4_HD int64_t state_slot(const SlotLookup& s, int64_t rid, int32_t p) {
   if (!s.paged) return ring_slot(s, rid, p);
   const int64_t index = token_index(s, rid, p);
   const int64_t loc = index < 0 ? -1 : checked_loc(s, s.req_to_token[index]);
@@ -132,14 +148,14 @@ DSV4_HD int64_t state_slot(const SlotLookup& s, int64_t rid, int64_t p) {
 
 // page(slot): -1 for a failed lookup, never a truncated negative quotient.
 // Slots come from state_slot, so they lie in [-1, 2^31).
-DSV4_HD int32_t state_page(int64_t slot, int ratio) { return slot < 0 ? -1 : int32_t(position_div(slot, ratio)); }
+DSV4_HD int32_t state_page(int64_t slot, int ratio) { return slot < 0 ? -1 : chunk_of(int32_t(slot), ratio); }
 
 // ---- decode planner (§3.4) ----
 
 DSV4_HD DecodeEntry decode_entry(int64_t seq_len, int64_t rid, const SlotLookup& s, int ratio) {
   if (seq_len <= 0) return invalid_decode_entry();
-  const int64_t L = seq_len > kMaxSeqLen ? kMaxSeqLen : seq_len;  // out of envelope: clamp, stay safe
-  const int64_t p = L - 1;
+  const int32_t L = int32_t(seq_len > kMaxSeqLen ? kMaxSeqLen : seq_len);  // out of envelope: clamp, stay safe
+  const int32_t p = L - 1;
   const int64_t slot = state_slot(s, rid, p);
   DecodeEntry e;
   e.seq_len = uint32_t(L);
@@ -154,78 +170,76 @@ DSV4_HD DecodeEntry decode_entry(int64_t seq_len, int64_t rid, const SlotLookup&
 struct PlanGeometry {
   int ratio;
   int window;
-  int64_t mtp_pad;
-  int64_t swa_page_size;
+  int32_t mtp_pad;
+  Divider swa_page;   // swa_page_size; read only with band
   bool band;          // paged c4: the last 4 tokens of every SWA page are always written
-  int64_t num_q_tokens;
+  int32_t num_q_tokens;
 };
 
-DSV4_HD PlanGeometry plan_geometry(int ratio, int64_t ring, int64_t swa_page_size, bool paged,
-                                   int64_t num_q_tokens) {
-  return PlanGeometry{ratio, compress_window(ratio), mtp_pad(ratio, ring), swa_page_size,
-                      ratio == 4 && paged, num_q_tokens};
+DSV4_HD PlanGeometry plan_geometry(int ratio, const SlotLookup& s, int32_t num_q_tokens) {
+  return PlanGeometry{ratio, compress_window(ratio), mtp_pad(ratio, int32_t(s.ring.divisor)), s.swa_page,
+                      ratio == 4 && s.paged, num_q_tokens};
 }
 
 // seq_lens / extend_lens as the planners read them. Valid inputs pass unchanged; the GPU path, which
-// never checks values, clamps out-of-envelope ones into int32 so that no arithmetic overflows.
-DSV4_HD int64_t planned_seq_len(int64_t v) {
-  return v > kMaxSeqLen ? kMaxSeqLen : (v < -kMaxSeqLen - 1 ? -kMaxSeqLen - 1 : v);
+// never checks values, clamps out-of-envelope ones into int32.
+DSV4_HD int32_t planned_seq_len(int64_t v) {
+  return int32_t(v > kMaxSeqLen ? kMaxSeqLen : (v < -kMaxSeqLen - 1 ? -kMaxSeqLen - 1 : v));
 }
-DSV4_HD int64_t planned_extend_len(int64_t v) { return v < 0 ? 0 : (v > kMaxSeqLen ? kMaxSeqLen : v); }
+DSV4_HD int32_t planned_extend_len(int64_t v) { return int32_t(v < 0 ? 0 : (v > kMaxSeqLen ? kMaxSeqLen : v)); }
 
-// Positions of one request that the plans cover (§3.3 "Counts").
+// Positions of one request that the plans cover (§3.3 "Counts"); all zero for a request without rows.
 struct RequestPlan {
-  int64_t prefix;     // L - E'
-  int64_t off;        // ragged offset of the request's first token
-  int64_t a, z;       // tokens at positions [a, z) are planned
-  int64_t t;          // every position in [t, z) is written
-  int64_t band_base;  // band positions below a (f(a))
-  int64_t n_c, n_w, n_band;
+  int32_t prefix;     // L - E'
+  int32_t off;        // ragged offset of the request's first token
+  int32_t a, z;       // tokens at positions [a, z) are planned
+  int32_t t;          // every position in [t, z) is written
+  int32_t band_base;  // band positions below a (f(a))
+  int32_t n_c, n_w, n_band;
 };
 
-// Band positions (p % sps >= sps - 4) in [0, x), for x >= 0.
-DSV4_HD int64_t band_positions_below(int64_t x, int64_t sps) {
-  const int64_t pages = x / sps;  // one division for quotient and remainder
-  const int64_t tail = (x - pages * sps) - (sps - 4);
-  return pages * 4 + (tail > 0 ? tail : 0);
+// Band positions (p % sps >= sps - 4) in [0, x), for 0 <= x < 2^31.
+DSV4_HD int32_t band_positions_below(int32_t x, const Divider& sps) {
+  const uint32_t pages = sps.div(uint32_t(x));  // one division for quotient and remainder
+  const uint32_t in_page = uint32_t(x) - pages * sps.divisor, band_start = sps.divisor - 4;
+  return int32_t(pages * 4 + (in_page > band_start ? in_page - band_start : 0));
 }
 
-// `seq_len` and `extend_len` as read (planned_*), `off` the sum of the earlier requests' extend_len.
-DSV4_HD RequestPlan plan_request(const PlanGeometry& g, int64_t seq_len, int64_t extend_len, int64_t off) {
+// `seq_len` and `extend_len` as read (planned_*), `off` the sum of the earlier requests' extend_len,
+// saturated at num_q_tokens (0 <= off <= num_q_tokens).
+DSV4_HD RequestPlan plan_request(const PlanGeometry& g, int32_t seq_len, int32_t extend_len, int32_t off) {
+  const int32_t L = seq_len;
+  // L <= 0 leaves z <= 0 <= a: no rows. From here L >= 1 and 0 <= E' < 2^31, so L - E' fits in int32.
+  if (L <= 0) return RequestPlan{};
   RequestPlan rp{};
-  const int64_t L = seq_len;
   rp.prefix = L - extend_len;
   rp.off = off;
   rp.a = rp.prefix > 0 ? rp.prefix : 0;
-  const int64_t room = g.num_q_tokens - off;
-  const int64_t reach = rp.prefix + (room > 0 ? room : 0);
-  rp.z = L < reach ? L : reach;
-  if (rp.z <= rp.a) {
-    rp.z = rp.a;
-    rp.t = rp.a;
-    return rp;
-  }
-  // z > a >= 0, so 0 < L < 2^31 and every quotient below is of a position.
-  const int64_t last_c = position_div(L, g.ratio) * g.ratio;
-  const int64_t overlap_chunk = g.ratio == 4 ? 4 : 0;
-  const int64_t first_w = (last_c - overlap_chunk) < (L - g.mtp_pad) ? (last_c - overlap_chunk) : (L - g.mtp_pad);
+  // z = min(L, prefix + room), written so that prefix + room is formed only when it is below L.
+  const int32_t room = g.num_q_tokens - off;
+  rp.z = extend_len <= room ? L : rp.prefix + room;
+  if (rp.z <= rp.a) return RequestPlan{};
+  // z > a >= 0: every value below is a position in [0, 2^31) or a count.
+  const int32_t last_c = chunk_of(L, g.ratio) << ratio_log2(g.ratio);
+  const int32_t overlap_chunk = g.ratio == 4 ? 4 : 0;
+  const int32_t first_w = (last_c - overlap_chunk) < (L - g.mtp_pad) ? (last_c - overlap_chunk) : (L - g.mtp_pad);
   rp.t = rp.a > first_w ? rp.a : first_w;
-  rp.n_c = position_div(rp.z, g.ratio) - position_div(rp.a, g.ratio);
-  const int64_t band_end = rp.z < rp.t ? rp.z : rp.t;
+  rp.n_c = chunk_of(rp.z, g.ratio) - chunk_of(rp.a, g.ratio);
+  const int32_t band_end = rp.z < rp.t ? rp.z : rp.t;
   if (g.band) {
-    rp.band_base = band_positions_below(rp.a, g.swa_page_size);
-    rp.n_band = band_positions_below(band_end, g.swa_page_size) - rp.band_base;
+    rp.band_base = band_positions_below(rp.a, g.swa_page);
+    rp.n_band = band_positions_below(band_end, g.swa_page) - rp.band_base;
   }
   rp.n_w = (rp.z > rp.t ? rp.z - rp.t : 0) + rp.n_band;
   return rp;
 }
 
 // The k-th CompressPlan entry of a request (k < n_c), stage 0: read_page_1 carries the batch index.
-DSV4_HD CompressEntry compress_entry_stage0(const PlanGeometry& g, const RequestPlan& rp, int64_t k,
+DSV4_HD CompressEntry compress_entry_stage0(const PlanGeometry& g, const RequestPlan& rp, int32_t k,
                                             int64_t batch) {
-  const int64_t p = (position_div(rp.a, g.ratio) + 1 + k) * g.ratio - 1;
-  const int64_t j = p - rp.prefix;
-  const int64_t in_window = j + 1 < g.window ? j + 1 : g.window;
+  const int32_t p = ((chunk_of(rp.a, g.ratio) + 1 + k) << ratio_log2(g.ratio)) - 1;
+  const int32_t j = p - rp.prefix;  // < z - prefix <= num_q_tokens
+  const int32_t in_window = j + 1 < g.window ? j + 1 : g.window;
   CompressEntry e;
   e.seq_len = uint32_t(p + 1);
   e.ragged_id = uint16_t(rp.off + j);
@@ -236,16 +250,16 @@ DSV4_HD CompressEntry compress_entry_stage0(const PlanGeometry& g, const Request
 }
 
 // Position of the k-th WritePlan entry of a request (k < n_w): band positions below t first, then [t, z).
-DSV4_HD int64_t write_position(const PlanGeometry& g, const RequestPlan& rp, int64_t k) {
+DSV4_HD int32_t write_position(const PlanGeometry& g, const RequestPlan& rp, int32_t k) {
   if (k < rp.n_band) {
-    const int64_t m = rp.band_base + k;
-    return (m / 4) * g.swa_page_size + (g.swa_page_size - 4) + m % 4;
+    const uint32_t m = uint32_t(rp.band_base + k), sps = g.swa_page.divisor;
+    return int32_t((m / 4) * sps + (sps - 4) + m % 4);
   }
   return rp.t + (k - rp.n_band);
 }
 
-DSV4_HD WriteEntry write_entry_stage0(const PlanGeometry& g, const RequestPlan& rp, int64_t k, int64_t batch) {
-  const int64_t p = write_position(g, rp, k);
+DSV4_HD WriteEntry write_entry_stage0(const PlanGeometry& g, const RequestPlan& rp, int32_t k, int64_t batch) {
+  const int32_t p = write_position(g, rp, k);
   return WriteEntry{pack_batch_ragged(batch, rp.off + (p - rp.prefix)), int32_t(p + 1)};
 }
 
@@ -254,12 +268,12 @@ DSV4_HD WriteEntry write_entry_stage0(const PlanGeometry& g, const RequestPlan& 
 // Positions whose state slots give a compress entry's pages: read_page_1 from p = seq_len - 1 and
 // read_page_0 from p - 4 (c4, p >= 7); -1 where the page is -1 without a lookup (state_slot(-1) is -1).
 struct CompressReads {
-  int64_t p1, p0;
+  int32_t p1, p0;
 };
 
 DSV4_HD CompressReads compress_reads(const CompressEntry& e, int ratio) {
   if (e.seq_len == kInvalidPlanWord || e.buffer_len == 0) return CompressReads{-1, -1};
-  const int64_t p = int64_t(e.seq_len) - 1;
+  const int32_t p = int32_t(e.seq_len) - 1;  // a valid entry's seq_len lies in [ratio, 2^31)
   return CompressReads{p, (ratio == 4 && p >= 2 * ratio - 1) ? p - ratio : -1};
 }
 
@@ -285,8 +299,9 @@ DSV4_HD void set_write_slot(WriteEntry& e, int64_t slot) {
   e.write_loc = int32_t(slot);
 }
 
+// A stage-0 write_loc is p + 1 >= 1.
 DSV4_HD void finalize_write_entry(WriteEntry& e, int64_t rid, const SlotLookup& s) {
-  set_write_slot(e, state_slot(s, rid, int64_t(e.write_loc) - 1));
+  set_write_slot(e, state_slot(s, rid, e.write_loc - 1));
 }
 
 }  // namespace dsv4
