@@ -456,6 +456,66 @@ def test_c2_verify_matches_reference(device):
     assert_same(setup.state, ref_state, "ring state")
 
 
+def device_pair_pool(partner: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """§1.5 with fp32 torch ops on the rows' device: separately rounded products and sums, an IEEE division by a
+    tensor, and on CUDA tensors torch.exp is CUDA's accurate expf, the exp of the c2 kernel (pair_pool.cuh)."""
+    k_even, s_even, k_odd, s_odd = partner[:, :512], partner[:, 512:], own[:, :512], own[:, 512:]
+    d = s_even - s_odd
+    e = torch.exp(-d.abs())
+    numerator = torch.where(d >= 0, k_even + e * k_odd, e * k_even + k_odd)
+    return numerator / (e + 1.0)
+
+
+def with_special_channels(rows: torch.Tensor, seed: int) -> torch.Tensor:
+    """c2 rows whose kv channels sit at the edges of the kernel's division (pair_pool_channels): zeros of both
+    signs, subnormals, magnitudes around 2^-64; and equal scores (e = 1) wherever both rows of a pair have them."""
+    g = gen(seed)
+    rows = rows.clone()
+    rows[:, 0:16] = 0.0
+    rows[:, 16:32] = -0.0
+    rows[:, 32:48] = torch.randn(rows.shape[0], 16, generator=g) * 1e-40
+    rows[:, 48:64] = torch.randn(rows.shape[0], 16, generator=g) * 2.0**-64
+    rows[:, 64:80] = torch.randn(rows.shape[0], 16, generator=g) * 2.0**-70
+    rows[:, 512 + 80:512 + 96] = 1.5
+    return rows
+
+
+@cuda_only
+@pytest.mark.parametrize("draft_len", [0, 3])
+def test_c2_cuda_latents_are_the_device_fp32_pooling(draft_len):
+    """Bit for bit: every CUDA latent equals the reference RMSNorm of bf16(device_pair_pool(partner, row)). The
+    tolerance tests cannot see a last-bit change of the pooling; this one pins the kernel's division and exp to the
+    GPU's IEEE division and expf, including the inputs that take pair_pool_channels' fallback."""
+    setup = C2Setup(KVLayout.V41, 64, ring=8, owners=12, seed=51, device="cuda")
+    bs = 8
+    x, positions, req, raw = verify_batch(setup, bs, max(draft_len, 1), 0, 51)
+    x = with_special_channels(x, 52)
+    # Infinite score gaps (e = 0) against finite partners: neighbouring rows, and ring rows, use other channels.
+    x[0::2, 512 + 96:512 + 104] = float("inf")
+    x[1::2, 512 + 104:512 + 112] = float("inf")
+    state = with_special_channels(setup.state.cpu(), 53)
+    state[:, 512 + 112:512 + 120] = float("-inf")
+    setup.state.copy_(state.cuda())
+    # A huge odd row: pooled magnitudes past 2^64 (the fallback); its sum of squares overflows, so its latent
+    # keeps only the signs of the pooled values.
+    x[[p % 2 for p in positions].index(1), :512] *= 2.0**70
+    state0 = setup.state.cpu().clone()
+    latent = setup.call(x.cuda(), *(idx(v, torch.int64, "cuda") for v in (positions, req, raw)), draft_len=draft_len)
+
+    partner = torch.empty_like(x)
+    for i, (p, r) in enumerate(zip(positions, req)):
+        if draft_len and i % draft_len:
+            partner[i] = x[i - 1]
+        else:
+            partner[i] = state0[r * setup.ring + (p - 1) % setup.ring]
+    pooled = device_pair_pool(partner.cuda(), x.cuda()).cpu().to(torch.bfloat16)
+    want = R.rms_norm_fp32(pooled, setup.weight.cpu(), EPS).to(torch.bfloat16)
+    odd = torch.tensor([p % 2 == 1 for p in positions])
+    want[~odd] = 0
+    assert_bits_equal(latent, want, "latents")
+    assert bits(latent[odd]).any()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_verify_rejects_narrow_ring(device):
     for draft_len, ring in ((2, 2), (5, 4), (5, 5), (9, 8)):

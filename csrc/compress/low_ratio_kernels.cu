@@ -30,6 +30,24 @@ __device__ __forceinline__ void load_weight_lane(const LowRatioParams& p, int la
   }
 }
 
+// c2: this lane's 16 weight values as loaded (fp32 bits, or bf16 bits), widened by weight_value only where
+// the norm needs them. A warp stalls at the first instruction that reads a pending load and issues nothing
+// behind it, so widening right after the load would hold the index loads, or the pooling, behind the weight.
+__device__ __forceinline__ void load_weight_bits(const LowRatioParams& p, int lane, uint32_t* bits) {
+  const int first = lane * kLaneDims;
+  if (p.weight_fp32) {
+#pragma unroll
+    for (int i = 0; i < kLaneDims; ++i) bits[i] = __ldg(static_cast<const uint32_t*>(p.weight) + first + i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kLaneDims; ++i) bits[i] = __ldg(static_cast<const uint16_t*>(p.weight) + first + i);
+  }
+}
+
+__device__ __forceinline__ float weight_value(const LowRatioParams& p, uint32_t bits) {
+  return p.weight_fp32 ? __uint_as_float(bits) : bf16_to_f32(uint16_t(bits));
+}
+
 // The (cos, sin) pair of the RoPE table row that this lane rotates with (warp_rope.cuh).
 __device__ __forceinline__ float2 load_table_lane(const LowRatioParams& p, int64_t position, int lane) {
   return load_table_pair(p.freqs + position * kRopeDim, lane);
@@ -122,15 +140,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatio
 // exp + IEEE divisions of pair_pool back to back (decode batches leave about one warp per scheduler,
 // so nothing hides that latency); 128 threads pool 4 dims each instead. Warp 0 then finishes the row
 // exactly like the one-warp kernel did, so the bits are unchanged.
-// The row's (kv, score) and warp 0's weight do not depend on the indices, so their loads are issued
-// before thread 0's index loads; the partner and the RoPE table wait for the plan.
+// The row's (kv, score), the weight and the row's indices do not depend on each other, so their loads are
+// issued together (the weight as raw bits, see load_weight_bits). Every thread resolves the row's plan
+// itself (the index loads of a warp hit one address; the arithmetic is a few dozen instructions): the
+// partner load then follows the index loads directly instead of waiting for one thread's plan and a block
+// barrier. The partner's pooling runs the four channels side by side (pair_pool_channels).
 constexpr int kC2Threads = kWarpsPerBlock * 32;
 constexpr int kC2ThreadDims = kMainDim / kC2Threads;  // 4: one float4 of kv and one of score
 static_assert(kC2ThreadDims == 4, "phase A moves one float4 per half row and thread");
 
 template <KVLayout L>
 __global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRatioParams p) {
-  __shared__ PairRowPlan row_plan;
   __shared__ __align__(16) float pooled[kMainDim];
   __shared__ __align__(16) float2 tail[kRopeDim / 2];
   const int64_t token = blockIdx.x;  // grid = n blocks
@@ -142,14 +162,12 @@ __global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRati
   float kv[4], score[4];
   load_widen4<true>(row + dim, kv);
   load_widen4<true>(row + kMainDim + dim, score);
-  float w[kLaneDims];
-  if (warp == 0) load_weight_lane(p, lane, w);
-  if (threadIdx.x == 0) {
-    row_plan = plan_pair_row(token, p.positions[token], p.req_pool_indices[token], p.out_loc[token], p.ring,
-                             p.cache.capacity(), p.max_pos);
-  }
-  __syncthreads();
-  const PairRowPlan plan = row_plan;
+  // Only warp 0 uses the weight, but every warp loads it (L1 hits after the first): behind a warp-0 branch the
+  // compiler moved the index loads, and the int32 sign extensions that wait for them, in front of it.
+  uint32_t weight_bits[kLaneDims];
+  load_weight_bits(p, lane, weight_bits);
+  const PairRowPlan plan = plan_pair_row(token, p.positions[token], p.req_pool_indices[token], p.out_loc[token],
+                                         p.ring, p.cache.capacity(), p.max_pos);
 
   if (!plan.emits) {
     // Padding (p < 0) or an even row: a zero latent, and a live even row parks (kv, score).
@@ -184,23 +202,24 @@ __global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRati
   float2 cs = {};
   if (warp == 0 && plan.slot >= 0) cs = load_table_lane(p, plan.rope_position, lane);
   pdl_launch_dependents();
-  float4 x4;
-  x4.x = round_to_bf16(pair_pool(k_even[0], s_even[0], kv[0], score[0]));
-  x4.y = round_to_bf16(pair_pool(k_even[1], s_even[1], kv[1], score[1]));
-  x4.z = round_to_bf16(pair_pool(k_even[2], s_even[2], kv[2], score[2]));
-  x4.w = round_to_bf16(pair_pool(k_even[3], s_even[3], kv[3], score[3]));
-  *reinterpret_cast<float4*>(pooled + dim) = x4;
+  float x4[4];
+  pair_pool_channels<4>(k_even, s_even, kv, score, x4);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x4[i] = round_to_bf16(x4[i]);
+  *reinterpret_cast<float4*>(pooled + dim) = make_float4(x4[0], x4[1], x4[2], x4[3]);
   __syncthreads();
   if (warp != 0) return;
 
   // Phase B (warp 0): RMSNorm needs the whole row, and warp_rms_norm's fixed reduction order is
   // defined on the 16-dims-per-lane layout, so one warp finishes the row as c1 does.
-  float x[kLaneDims], v[kLaneDims];
+  float x[kLaneDims], w[kLaneDims], v[kLaneDims];
 #pragma unroll
   for (int i = 0; i < kLaneDims; i += 4) {
     const float4 q = *reinterpret_cast<const float4*>(pooled + lane * kLaneDims + i);
     x[i] = q.x; x[i + 1] = q.y; x[i + 2] = q.z; x[i + 3] = q.w;
   }
+#pragma unroll
+  for (int i = 0; i < kLaneDims; ++i) w[i] = weight_value(p, weight_bits[i]);
   norm_to_latent(p, token, lane, x, w, v);
   if (plan.slot >= 0) store_latent_lane<L>(p, lane, v, cs, tail, plan.slot);
 }

@@ -17,17 +17,44 @@ DSV4_HD int64_t c1_store_slot(int64_t out_loc, int64_t position, int64_t capacit
   return store ? out_loc : -1;
 }
 
+// The high 64 bits of the 128-bit product a * b.
+DSV4_HD uint64_t mul_hi_u64(uint64_t a, uint64_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umul64hi(a, b);
+#else
+  return uint64_t((unsigned __int128)a * b >> 64);
+#endif
+}
+
 // The pair-state ring of c2: `ring` rows per request slot, `owners` = state rows / ring request
-// slots (a request is in range iff (req + 1) * ring <= rows, i.e. req < owners).
+// slots (a request is in range iff (req + 1) * ring <= rows, i.e. req < owners). Built by make_pair_ring.
 struct PairRing {
   int64_t ring;
   int64_t owners;
-  int64_t draft_len;  // 0: decode; >= 1: verify blocks of draft_len rows
+  int64_t draft_len;      // 0: decode; >= 1: verify blocks of draft_len rows
+  uint64_t ring_inverse;  // ceil(2^64 / ring) mod 2^64
+
+  // position % ring for position >= 0. A GPU has no integer divider: a 64-bit remainder is a long
+  // subroutine and even a 32-bit one starts with a dependent float reciprocal of ring, all of it
+  // between c2's index loads and its partner load. For 32-bit operands the remainder is instead
+  // ((ring_inverse * position mod 2^64) * ring) >> 64, exact since 64 >= 32 + log2(ring) (Lemire,
+  // Kaser, Kurz, "Faster remainder by direct computation", 2019), with ring_inverse computed on the host.
+  DSV4_HD int64_t offset_of(int64_t position) const {
+    if ((uint64_t(position) | uint64_t(ring)) >> 32 == 0) {
+      return int64_t(mul_hi_u64(ring_inverse * uint64_t(position), uint64_t(ring)));
+    }
+    return position % ring;
+  }
 
   DSV4_HD int64_t row_of(int64_t req, int64_t position) const {
-    return req >= 0 && req < owners ? req * ring + position % ring : -1;
+    return req >= 0 && req < owners ? req * ring + offset_of(position) : -1;
   }
 };
+
+// ring >= 1.
+inline PairRing make_pair_ring(int64_t ring, int64_t owners, int64_t draft_len) {
+  return PairRing{ring, owners, draft_len, ~uint64_t(0) / uint64_t(ring) + 1};
+}
 
 // One c2 row. A row with p < 0 is padding whatever its raw slot: it reads and writes nothing and
 // returns a zero latent (active == false). An even row returns a zero latent and, when live
@@ -49,8 +76,10 @@ DSV4_HD PairRowPlan plan_pair_row(int64_t row, int64_t position, int64_t req, in
   if (position < 0) return plan;
   plan.active = true;
   const bool live = raw_out_loc > 0;
+  // The pair (2k, 2k + 1) has one ring row: the even row parks there and the odd row reads it.
+  const int64_t pair_ring_row = ring.row_of(req, position & ~int64_t(1));
   if ((position & 1) == 0) {
-    if (live) plan.ring_write = ring.row_of(req, position);
+    if (live) plan.ring_write = pair_ring_row;
     return plan;
   }
   plan.emits = true;
@@ -60,7 +89,7 @@ DSV4_HD PairRowPlan plan_pair_row(int64_t row, int64_t position, int64_t req, in
   if (partner_in_block) {
     plan.partner_input = row - 1;
   } else {
-    plan.partner_ring = ring.row_of(req, position - 1);
+    plan.partner_ring = pair_ring_row;
   }
   plan.rope_position = position - 1;
   const int64_t slot = raw_out_loc >> 1;
