@@ -22,15 +22,7 @@ __device__ __forceinline__ int64_t broadcast(int64_t v) {
   return __shfl_sync(kFullMask, static_cast<long long>(v), 0);
 }
 
-__device__ __forceinline__ void load_weight_lane(const LowRatioParams& p, int lane, float* w) {
-  if (p.weight_fp32) {
-    load_widen<kLaneDims, true>(static_cast<const float*>(p.weight) + lane * kLaneDims, w);
-  } else {
-    load_widen<kLaneDims, false>(static_cast<const uint16_t*>(p.weight) + lane * kLaneDims, w);
-  }
-}
-
-// c2: this lane's 16 weight values as loaded (fp32 bits, or bf16 bits), widened by weight_value only where
+// This lane's 16 weight values as loaded (fp32 bits, or bf16 bits), widened by weight_value only where
 // the norm needs them. A warp stalls at the first instruction that reads a pending load and issues nothing
 // behind it, so widening right after the load would hold the index loads, or the pooling, behind the weight.
 __device__ __forceinline__ void load_weight_bits(const LowRatioParams& p, int lane, uint32_t* bits) {
@@ -108,7 +100,8 @@ __device__ __forceinline__ void store_latent_lane(const LowRatioParams& p, int l
 }
 
 // The row and the weight do not depend on the indices, so their loads are issued before lane 0's index
-// loads and the two latencies overlap.
+// loads and the two latencies overlap; both are widened only after the index loads are out (a warp
+// stalls at the first instruction that reads a pending load).
 template <KVLayout L>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatioParams p) {
   __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
@@ -116,10 +109,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatio
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   pdl_wait_dependencies();
   if (token >= p.n) return;
-  float x[kLaneDims], w[kLaneDims];
   const uint16_t* row = static_cast<const uint16_t*>(p.kv.data) + token * p.kv.row_stride;
-  load_widen<kLaneDims, false>(row + lane * kLaneDims, x);
-  load_weight_lane(p, lane, w);
+  RawElements<kLaneDims, false> row_raw;
+  load_raw(row + lane * kLaneDims, row_raw);
+  uint32_t weight_bits[kLaneDims];
+  load_weight_bits(p, lane, weight_bits);
   int64_t slot = -1, position = -1;
   if (lane == 0) {
     position = p.positions[token];
@@ -131,7 +125,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatio
   if (slot >= 0) cs = load_table_lane(p, position, lane);
   pdl_launch_dependents();
 
-  float v[kLaneDims];
+  float x[kLaneDims], w[kLaneDims], v[kLaneDims];
+  widen_raw<kLaneDims, false>(row_raw, x);
+#pragma unroll
+  for (int i = 0; i < kLaneDims; ++i) w[i] = weight_value(p, weight_bits[i]);
   norm_to_latent(p, token, lane, x, w, v);
   if (slot >= 0) store_latent_lane<L>(p, lane, v, cs, tails[threadIdx.x >> 5], slot);
 }
