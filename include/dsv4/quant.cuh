@@ -168,11 +168,15 @@ DSV4_HD uint8_t e2m1_encode_rne(float v) {
   return uint8_t(e2m1_rne_index(fabs_f32(v)) | ((f32_bits(v) >> 31) << 3));
 }
 
-// Indexer rule: number of thresholds strictly exceeded (ties toward zero), never a negative zero.
+// Indexer rule: number of thresholds {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5} strictly exceeded (ties
+// toward zero), never a negative zero. The count is found by a three-step binary search over the sorted
+// thresholds (1.75, then 3.5 or 0.75, then one of the others) rather than seven compares.
 DSV4_HD uint8_t e2m1_encode_threshold(float v) {
   const float a = fabs_f32(v);
-  const int index = (a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) +
-                    (a > 3.5f) + (a > 5.0f);
+  const bool upper = a > 1.75f;                         // index >= 4
+  const bool upper_half = a > (upper ? 3.5f : 0.75f);   // index >= 6, or >= 2
+  const float last = upper ? (upper_half ? 5.0f : 2.5f) : (upper_half ? 1.25f : 0.25f);
+  const int index = (upper ? 4 : 0) | (upper_half ? 2 : 0) | (a > last ? 1 : 0);
   return uint8_t(index | ((v < 0.0f && index != 0) ? 8 : 0));
 }
 
