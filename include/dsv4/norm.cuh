@@ -62,7 +62,7 @@ inline void rms_norm_row(const float* x, const float* w, float eps, float* y) {
 // with group g + h, which sits at the same place on lane ^ (h / LaneGroups): shfl_xor, where lane and
 // partner add the same two partials in either order (fp32 add is commutative); the levels
 // h < LaneGroups add the lane's own partials. Every lane of the group ends with the same ss.
-// Used as a whole warp (LaneGroups 1), a half warp (2) and 8 lanes of a D = 128 row (G 4, LaneGroups 4).
+// Used by a whole warp (LaneGroups 1) and by 8 lanes of a D = 128 row (G 4, LaneGroups 4).
 template <int G, int LaneGroups>
 __device__ __forceinline__ void lanes_rms_norm(const float* x, const float* w, float eps, unsigned mask,
                                                float* y) {
