@@ -2,10 +2,11 @@
 
     ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight --section WarpStateStats \
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
-        python3 -m benchmarks.ncu_cases CASE
+        python3 -m benchmarks.ncu_cases CASE [SIZE]
 
 CASE: kwriter (V41, 2^20 tokens), c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests),
-plan (plan_compress_prefill, c4 paged, 64 requests x 4 drafts). Two warm-up calls precede the profiled one.
+plan (plan_compress_prefill, c4 paged, 64 requests x 4 drafts); SIZE replaces the row / request count.
+Two warm-up calls precede the profiled one.
 """
 import sys
 
@@ -17,6 +18,7 @@ from benchmarks import bench_low_ratio as lr, bench_writers as wr, bench_compres
 
 table = dsv4.precompute_rope_table(64, 65536, 65536, 160000.0, 16.0, 32.0, 1.0).cuda()
 case = sys.argv[1]
+size = int(sys.argv[2]) if len(sys.argv) > 2 else None  # rows / batch size; each case has a default
 
 
 def k_writer(n):
@@ -64,12 +66,12 @@ def planner(bs):
 
 
 fn = {
-    "kwriter": lambda: k_writer(1 << 20),
-    "c1": lambda: low("c1", 64),
-    "c2": lambda: low("c2", 64),
-    "c4": lambda: compress(4, 64),
-    "c128": lambda: compress(128, 64),
-    "plan": lambda: planner(64),
+    "kwriter": lambda: k_writer(size or 1 << 20),
+    "c1": lambda: low("c1", size or 64),
+    "c2": lambda: low("c2", size or 64),
+    "c4": lambda: compress(4, size or 64),
+    "c128": lambda: compress(128, size or 64),
+    "plan": lambda: planner(size or 64),
 }[case]()
 for _ in range(2):
     fn()
