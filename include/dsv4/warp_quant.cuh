@@ -65,6 +65,8 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint
   constexpr int kTile = LayoutTraits<L>::kTile;
   static_assert(LaneDims % 4 == 0 && kTile % LaneDims == 0, "a lane holds whole words of one tile");
   constexpr int kLanesPerTile = kTile / LaneDims;
+  // Every lane takes part in the shuffles before any returns (the RoPE lanes reduce among themselves).
+  const float amax = warp_max_xor(abs_max<LaneDims>(x), kLanesPerTile);
   if (L == KVLayout::V4 && sub >= kV4NopeDim / LaneDims) {
     uint32_t w[LaneDims / 2];
 #pragma unroll
@@ -72,7 +74,6 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint
     store_words<2 * LaneDims>(data + kV4NopeDim + 2 * LaneDims * (sub - kV4NopeDim / LaneDims), w);
     return;
   }
-  const float amax = warp_max_xor(abs_max<LaneDims>(x), kLanesPerTile);
   uint8_t scale_byte;
   if constexpr (L == KVLayout::V41_FP4) {
     scale_byte = v41_fp4_scale_byte(amax);
