@@ -208,14 +208,19 @@ DSV4_HD uint8_t v41_fp4_scale_byte(float amax) {
   return e4m3_encode(fmin_f32(fmax_f32(r, kE4m3MinSubnormal), kE4m3Max));
 }
 
-// fake_quant_compressed_kv of one V41_FP4 tile of n values, in place: the V41_FP4 codes of the
-// tile times its decoded e4m3 scale (exact in fp32; -0.0 and tiny negatives give -0.0).
+// fake_quant_compressed_kv of one V41_FP4 tile, in place: the V41_FP4 codes of the tile times its
+// decoded e4m3 scale (exact in fp32; -0.0 and tiny negatives give -0.0). _values takes n of the tile's
+// values and the amax of the whole tile (a tile spread over several threads); _tile a whole tile of n.
+DSV4_HD void fake_quant_compressed_values(float* x, int n, float tile_amax) {
+  const float scale = e4m3_decode(v41_fp4_scale_byte(tile_amax));
+  const E2m1RneThresholds encoder(scale);
+  for (int i = 0; i < n; ++i) x[i] = e2m1_decode(encoder.encode(x[i])) * scale;
+}
+
 DSV4_HD void fake_quant_compressed_tile(float* x, int n) {
   float amax = 0.0f;
   for (int i = 0; i < n; ++i) amax = fmax_f32(amax, fabs_f32(x[i]));
-  const float scale = e4m3_decode(v41_fp4_scale_byte(amax));
-  const E2m1RneThresholds encoder(scale);
-  for (int i = 0; i < n; ++i) x[i] = e2m1_decode(encoder.encode(x[i])) * scale;
+  fake_quant_compressed_values(x, n, amax);
 }
 
 // fake_quant_fp4 block scale byte: ceil2byte(fl(max(amax, 6*2^-126) / 6)) in [1, 253].

@@ -36,46 +36,65 @@ constexpr int kIndexerGroupLanes = 8;
 constexpr int kIndexerGroupLaneDims = kIndexerDim / kIndexerGroupLanes;  // 16
 constexpr int kIndexerRowsPerWarp = 32 / kIndexerGroupLanes;             // 4
 
-// Quantizes this lane's 16 values of the row into the layout's data and scale rows. The tile
-// amax is reduced over the lanes that share a tile (V4: 4, V41: 2, V41_FP4: 1).
-template <KVLayout L>
-__device__ __forceinline__ void quantize_main_lane(const float* x, int lane, uint8_t* data,
-                                                   uint8_t* scale) {
-  constexpr int kTile = LayoutTraits<L>::kTile;
-  const float amax = warp_max_xor(abs_max<kLaneDims>(x), kTile / kLaneDims);
-
-  if constexpr (L == KVLayout::V41_FP4) {
-    const uint8_t scale_byte = v41_fp4_scale_byte(amax);
-    const E2m1RneThresholds encoder(e4m3_decode(scale_byte));
-    uint32_t packed[2] = {0, 0};
-#pragma unroll
-    for (int i = 0; i < kLaneDims; ++i) packed[i / 8] |= uint32_t(encoder.encode(x[i])) << (4 * (i % 8));
-    *reinterpret_cast<uint2*>(data + 8 * lane) = make_uint2(packed[0], packed[1]);
-    scale[lane] = scale_byte;
+// Stores Bytes (2, 4, 8, 16 or 32) bytes of `words` (little-endian, bits 0..15 of words[0] for 2) at a
+// destination aligned to min(Bytes, 16).
+template <int Bytes>
+__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t* words) {
+  if constexpr (Bytes == 2) {
+    *reinterpret_cast<uint16_t*>(dst) = uint16_t(words[0]);
+  } else if constexpr (Bytes == 4) {
+    *reinterpret_cast<uint32_t*>(dst) = words[0];
+  } else if constexpr (Bytes == 8) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
   } else {
-    if (L == KVLayout::V4 && lane >= kRopeFirstLane) {
-      // RoPE dims stay bf16: 16 values = 32 bytes at 448 + 32 * (lane - 28).
-      uint32_t w[8];
+    static_assert(Bytes % 16 == 0, "2, 4, 8 or a multiple of 16 bytes");
 #pragma unroll
-      for (int k = 0; k < 8; ++k) w[k] = pack_bf16x2(x[2 * k], x[2 * k + 1]);
-      uint4* dst = reinterpret_cast<uint4*>(data + kV4NopeDim + 32 * (lane - kRopeFirstLane));
-      dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-      dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-      return;
+    for (int k = 0; k < Bytes / 16; ++k) {
+      reinterpret_cast<uint4*>(dst)[k] = make_uint4(words[4 * k], words[4 * k + 1], words[4 * k + 2], words[4 * k + 3]);
     }
-    const uint8_t b = L == KVLayout::V4 ? v4_scale_byte(amax) : v41_scale_byte(amax);
-    const float inv = inverse_scale_of_byte(b);
-    uint32_t w[4];
+  }
+}
+
+// Quantizes this lane's LaneDims values of a main row (held by 512 / LaneDims lanes of aligned groups;
+// `sub` = this lane's index in the row: dims [LaneDims * sub, LaneDims * (sub + 1))) into the layout's data
+// and scale rows. A tile's amax is reduced over the lanes that share it (16 dims per lane: V4 4 lanes, V41
+// 2, V41_FP4 1; 4 dims per lane: 16, 8, 4). V4's RoPE lanes store their values as bf16 (a tile never mixes
+// nope and RoPE dims, so their lanes take no part in the nope lanes' reductions).
+template <KVLayout L, int LaneDims = kLaneDims>
+__device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint8_t* data, uint8_t* scale) {
+  constexpr int kTile = LayoutTraits<L>::kTile;
+  static_assert(LaneDims % 4 == 0 && kTile % LaneDims == 0, "a lane holds whole words of one tile");
+  constexpr int kLanesPerTile = kTile / LaneDims;
+  // Every lane takes part in the shuffles before any returns (the RoPE lanes reduce among themselves).
+  const float amax = warp_max_xor(abs_max<LaneDims>(x), kLanesPerTile);
+  if (L == KVLayout::V4 && sub >= kV4NopeDim / LaneDims) {
+    uint32_t w[LaneDims / 2];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < LaneDims / 2; ++k) w[k] = pack_bf16x2(x[2 * k], x[2 * k + 1]);
+    store_words<2 * LaneDims>(data + kV4NopeDim + 2 * LaneDims * (sub - kV4NopeDim / LaneDims), w);
+    return;
+  }
+  uint8_t scale_byte;
+  if constexpr (L == KVLayout::V41_FP4) {
+    scale_byte = v41_fp4_scale_byte(amax);
+    const E2m1RneThresholds encoder(e4m3_decode(scale_byte));
+    uint32_t packed[(LaneDims + 7) / 8] = {};  // eight codes per word
+#pragma unroll
+    for (int i = 0; i < LaneDims; ++i) packed[i / 8] |= uint32_t(encoder.encode(x[i])) << (4 * (i % 8));
+    store_words<LaneDims / 2>(data + LaneDims / 2 * sub, packed);
+  } else {
+    scale_byte = L == KVLayout::V4 ? v4_scale_byte(amax) : v41_scale_byte(amax);
+    const float inv = inverse_scale_of_byte(scale_byte);
+    uint32_t w[LaneDims / 4];
+#pragma unroll
+    for (int k = 0; k < LaneDims / 4; ++k) {
       const uint32_t lo = e4m3x2_encode(x[4 * k] * inv, x[4 * k + 1] * inv);
       const uint32_t hi = e4m3x2_encode(x[4 * k + 2] * inv, x[4 * k + 3] * inv);
       w[k] = lo | (hi << 16);
     }
-    *reinterpret_cast<uint4*>(data + 16 * lane) = make_uint4(w[0], w[1], w[2], w[3]);
-    constexpr int kLanesPerTile = kTile / kLaneDims;
-    if (lane % kLanesPerTile == 0) scale[lane / kLanesPerTile] = b;
+    store_words<LaneDims>(data + LaneDims * sub, w);
   }
+  if (sub % kLanesPerTile == 0) scale[sub / kLanesPerTile] = scale_byte;
 }
 
 // Quantizes this lane's LaneDims values of an indexer row held by 128 / LaneDims adjacent lanes
