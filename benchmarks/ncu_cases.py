@@ -5,7 +5,8 @@
         python3 -m benchmarks.ncu_cases CASE [SIZE]
 
 CASE: kwriter (V41, 2^20 tokens), c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests),
-plan (plan_compress_prefill, c4 paged, 64 requests x 4 drafts); SIZE replaces the row / request count.
+c4p / c128p (prefill of 65536 tokens from scratch), plan (plan_compress_prefill, c4 paged, 64 requests x 4
+drafts); SIZE replaces the row / request count.
 Two warm-up calls precede the profiled one.
 """
 import sys
@@ -52,6 +53,17 @@ def compress(ratio, bs):
     return lambda: dsv4.compress_forward(s[0], s[1], ape, s[2], head_dim=hd)
 
 
+def compress_prefill(ratio, tokens):
+    """The first chunk (at most 2^16 tokens) of a single-request prefill from scratch."""
+    hd, ring = 512, (16 if ratio == 4 else 256)
+    plan = bc._prefill_plans(ratio, ring, tokens)[0]
+    rows = min(tokens, bc.MAX_PLAN_TOKENS)
+    state = dsv4.alloc_compress_state(ratio, hd, 2, ring, device="cuda")
+    x = torch.randn(rows, (4 if ratio == 4 else 2) * hd, device="cuda")
+    ape = torch.randn(8 if ratio == 4 else 128, hd, device="cuda")
+    return lambda: dsv4.compress_forward(state, x, ape, plan, head_dim=hd)
+
+
 def planner(bs):
     rids = (torch.randperm(bs) + 1).cuda()
     seq = torch.randint(256, 4096, (bs,)).cuda()
@@ -71,6 +83,8 @@ fn = {
     "c2": lambda: low("c2", size or 64),
     "c4": lambda: compress(4, size or 64),
     "c128": lambda: compress(128, size or 64),
+    "c4p": lambda: compress_prefill(4, size or 65536),
+    "c128p": lambda: compress_prefill(128, size or 65536),
     "plan": lambda: planner(size or 64),
 }[case]()
 for _ in range(2):
