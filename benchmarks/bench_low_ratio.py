@@ -14,7 +14,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout
 
 from . import torch_impls_low_ratio as torch_impls
-from .harness import torch_baseline_us, Bench, compiled, row
+from .harness import torch_baseline_us, Bench, compiled, flat_copy_us, row
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 VERIFY_SIZES = (8, 64, 256)  # requests; 4 draft rows each
@@ -104,8 +104,10 @@ def _bench_c1(bench, results, layout, weight, table, with_torch):
         t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(
             a["kv"], a["weight"], EPS, a["table"], a["positions"], a["out_loc"], cache, PAGE, int(layout))
             for a in calls])) if theirs else None
+        nbytes = c1_bytes(layout, n)
         results.append(row(bench, family="low_ratio", op="c1", case=f"{layout.str_name} decode", n=n, us=us,
-                           nbytes=c1_bytes(layout, n), torch_us=t_us, target=_target(n)))
+                           nbytes=nbytes, torch_us=t_us, baseline_us=flat_copy_us(bench, nbytes, CALLS_PER_GRAPH),
+                           target=_target(n)))
         del calls
 
 
@@ -125,6 +127,7 @@ def _bench_c2(bench, results, layout, weight, table, with_torch, draft_len):
         nbytes = c2_bytes(layout, calls[0]["positions"].cpu(), _c2_from_ring(calls[0]))
         results.append(row(bench, family="low_ratio", op="c2", case=f"{layout.str_name} {mode}",
                            n=calls[0]["kv"].shape[0], us=us, nbytes=nbytes, torch_us=t_us,
+                           baseline_us=flat_copy_us(bench, nbytes, CALLS_PER_GRAPH),
                            target=_target(calls[0]["kv"].shape[0])))
         del calls
 

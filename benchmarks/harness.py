@@ -97,6 +97,16 @@ def scatter_copy_us(bench: Bench, dst_rows: torch.Tensor, slots: torch.Tensor, s
     return bench.time_single(lambda: dst_rows.index_copy_(0, slots, src_rows))
 
 
+def flat_copy_us(bench: Bench, nbytes: int, calls: int) -> float:
+    """One device copy moving nbytes (nbytes / 2 read, nbytes / 2 written) per call, timed like a decode op:
+    `calls` disjoint buffer pairs replayed from one CUDA graph. What moving the same bytes costs at that size in
+    one launch, launch latency included: the ceiling of a decode-size op."""
+    half = max(nbytes // 2, 1)
+    pairs = [(torch.empty(half, dtype=torch.uint8, device=bench.device).random_(),
+              torch.empty(half, dtype=torch.uint8, device=bench.device)) for _ in range(calls)]
+    return bench.time_graph([lambda s=s, d=d: d.copy_(s) for s, d in pairs])
+
+
 def as_words(rows_bytes: int) -> torch.dtype:
     """Widest integer dtype dividing a row, so the baseline copies rows in wide words."""
     for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
