@@ -28,6 +28,24 @@ def devices():
     return list(DEVICES)
 
 
+def run_with_pdl_off_and_on(script: str, tmp_path, *args: str):
+    """Runs `script` (python -c; it must torch.save its results to sys.argv[1], followed by `args`) in a fresh
+    process with SGL_DSV4_PDL=0, then =1 (the switch is read once per process), and returns both results."""
+    import os
+    import subprocess
+    import sys
+
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = []
+    for pdl in ("0", "1"):
+        path = tmp_path / f"pdl{pdl}.pt"
+        env = dict(os.environ, SGL_DSV4_PDL=pdl)
+        env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+        subprocess.run([sys.executable, "-c", script, str(path), *args], env=env, check=True, timeout=600)
+        results.append(torch.load(path))
+    return results
+
+
 def cuda_only(fn):
     """Marks a test as needing a GPU (selected by `-m cuda`, skipped without one)."""
     for mark in CUDA_MARKS:

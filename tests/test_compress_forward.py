@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,8 +14,8 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import reference as ref
 
 from compress_cases import CUDA_MARKS, DEVICES, HAS_CUDA, Engine, capacity, gen, width_of
+from samples import run_with_pdl_off_and_on
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (ratio, head_dim, paged, sps): c4 in paged mode (sps 256 and 64) and request rings, D 512 and 128;
 # c128 in request rings.
@@ -679,15 +677,7 @@ _PDL_SCRIPT = textwrap.dedent("""
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_pdl_on_and_off_give_identical_bytes(tmp_path):
-    results = []
-    for pdl in ("0", "1"):
-        path = tmp_path / f"pdl{pdl}.pt"
-        env = dict(os.environ, SGL_DSV4_PDL=pdl)
-        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        subprocess.run([sys.executable, "-c", _PDL_SCRIPT, str(path), os.path.dirname(os.path.abspath(__file__))],
-                       env=env, check=True, timeout=600)
-        results.append(torch.load(path))
-    off, on = results
+    off, on = run_with_pdl_off_and_on(_PDL_SCRIPT, tmp_path, os.path.dirname(os.path.abspath(__file__)))
     for key in off:
         (outs_off, state_off), (outs_on, state_on) = off[key], on[key]
         assert torch.equal(state_off, state_on), key

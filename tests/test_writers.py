@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import zlib
 from types import SimpleNamespace
@@ -20,10 +18,11 @@ from sgl_dsv4_kernels import IndexerFormat, KVLayout
 from sgl_dsv4_kernels import reference as ref
 from sgl_dsv4_kernels.rope import _yarn_correction_dim
 
+from samples import run_with_pdl_off_and_on
+
 HAS_CUDA = torch.cuda.is_available()
 CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MAX_POS = 4096
 # A compressed-layer table (YaRN, typical V4 values), built once on CPU as a user would.
@@ -970,14 +969,7 @@ _PDL_SCRIPT = textwrap.dedent("""
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_pdl_on_and_off_give_identical_bytes(tmp_path):
-    results = []
-    for pdl in ("0", "1"):
-        path = tmp_path / f"pdl{pdl}.pt"
-        env = dict(os.environ, SGL_DSV4_PDL=pdl)
-        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        subprocess.run([sys.executable, "-c", _PDL_SCRIPT, str(path)], env=env, check=True, timeout=600)
-        results.append(torch.load(path))
-    off, on = results
+    off, on = run_with_pdl_off_and_on(_PDL_SCRIPT, tmp_path)
     assert off.keys() == on.keys()
     for key in off:
         for a, b in zip(off[key], on[key]):
