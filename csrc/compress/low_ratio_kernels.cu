@@ -1,6 +1,5 @@
-// CUDA kernels of the ratio-1 and ratio-2 decode compressors. c1: one token per warp, 4 warps per
-// block, lane l owns latent dims [16l, 16l+16). c2: one row per block of 4 warps, thread t owns dims
-// [4t, 4t+4) for the pooling, the norm, RoPE and the quantizer.
+// CUDA kernels of the ratio-1 and ratio-2 decode compressors: one row per block of 128 threads, thread t
+// owns latent dims [4t, 4t+4) through the pooling (c2), the norm, RoPE and the quantizer.
 #include "low_ratio_launch.h"
 #include "dsv4/launch.cuh"
 #include "dsv4/norm.cuh"
@@ -15,12 +14,14 @@ namespace dsv4 {
 
 namespace {
 
-constexpr int kWarpsPerBlock = 4;
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
-
-__device__ __forceinline__ int64_t broadcast(int64_t v) {
-  return __shfl_sync(kFullMask, static_cast<long long>(v), 0);
-}
+// A decode batch leaves a few rows per SM, so a row's time is its chain of dependent instructions: 128
+// threads of 4 dims each keep that chain short (one warp per row, 16 dims per lane, took 4.9 us for
+// c1 at 1024 rows against ~2.4 at 256: its ~790 instructions per row issued at ~8 cycles apart).
+constexpr int kRowThreads = 128;
+constexpr int kThreadDims = kMainDim / kRowThreads;  // 4: one float4 of a fp32 half row, 8 bytes of bf16
+static_assert(kThreadDims == 4, "a thread moves one float4 per fp32 half row");
+constexpr int kNormGroup = kMainDim / 32;               // 16 dims per group of §1.2
+constexpr int kQuadThreads = kNormGroup / kThreadDims;  // 4 threads per group (and per fake-quant tile)
 
 // N weight values from dim `first` as loaded (fp32 bits, or bf16 bits), widened by weight_value only where
 // the norm needs them. A warp stalls at the first instruction that reads a pending load and issues nothing
@@ -40,11 +41,6 @@ __device__ __forceinline__ float weight_value(const LowRatioParams& p, uint32_t 
   return p.weight_fp32 ? __uint_as_float(bits) : bf16_to_f32(uint16_t(bits));
 }
 
-// The (cos, sin) pair of the RoPE table row that this lane rotates with (warp_rope.cuh).
-__device__ __forceinline__ float2 load_table_lane(const LowRatioParams& p, int64_t position, int lane) {
-  return load_table_pair(p.freqs + position * kRopeDim, lane);
-}
-
 // Plain (coherent) loads for the state ring, which this kernel also writes; __ldg is kept for the
 // read-only inputs.
 __device__ __forceinline__ void load_state4(const float* src, float* out) {
@@ -57,10 +53,6 @@ __device__ __forceinline__ void load_state4(const float* src, float* out) {
   }
 }
 
-__device__ __forceinline__ uint16_t* latent_lane(const LowRatioParams& p, int64_t token, int lane) {
-  return p.latent + token * kMainDim + lane * kLaneDims;
-}
-
 // Writes latent dims [dim, dim + 4) of the row (8 bytes of bf16 bits).
 __device__ __forceinline__ void store_latent4(const LowRatioParams& p, int64_t token, int dim, const uint16_t* bits) {
   uint16_t* dst = p.latent + token * kMainDim + dim;
@@ -71,84 +63,6 @@ __device__ __forceinline__ void store_latent4(const LowRatioParams& p, int64_t t
     for (int i = 0; i < 4; ++i) dst[i] = bits[i];
   }
 }
-
-// latent = bf16(RMSNorm(x) * w) for this lane's 16 dims, written to the output row and returned
-// widened in `v`. All lanes must call (the sum of squares is a warp reduction).
-__device__ __forceinline__ void norm_to_latent(const LowRatioParams& p, int64_t token, int lane,
-                                               const float* x, const float* w, float* v) {
-  float y[kLaneDims];
-  warp_rms_norm<kLaneDims>(x, w, p.eps, y);
-  uint16_t bits[kLaneDims];
-#pragma unroll
-  for (int i = 0; i < kLaneDims; ++i) {
-    bits[i] = f32_to_bf16(y[i]);
-    v[i] = bf16_to_f32(bits[i]);
-  }
-  store_u16<kLaneDims>(latent_lane(p, token, lane), bits);
-}
-
-// §5.4: t = bf16(rope_tail(latent)) (each lane rotates tail pair `lane` with its table pair cs, through
-// the warp's `tail` buffer); V41_FP4 stores t, V41 and V4 store fake_quant_compressed_kv(t), whose
-// 16-value tiles are exactly a lane's dims. All lanes must call (tile amax reductions).
-template <KVLayout L>
-__device__ __forceinline__ void store_latent_lane(const LowRatioParams& p, int lane, float* v, float2 cs,
-                                                  float2* tail, int64_t slot) {
-  static_assert(LayoutTraits<KVLayout::V41_FP4>::kTile == kLaneDims, "one fake-quant tile per lane");
-  rotate_tail_across_warp<true>(v, cs, lane, tail);
-  if constexpr (L != KVLayout::V41_FP4) fake_quant_compressed_tile(v, kLaneDims);
-  quantize_main_lane<L>(v, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
-}
-
-// The row and the weight do not depend on the indices, so their loads are issued before lane 0's index
-// loads and the two latencies overlap; both are widened only after the index loads are out (a warp
-// stalls at the first instruction that reads a pending load).
-template <KVLayout L>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) c1_decode_kernel(LowRatioParams p) {
-  __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
-  const int lane = threadIdx.x & 31;
-  const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  pdl_wait_dependencies();
-  if (token >= p.n) return;
-  const uint16_t* row = static_cast<const uint16_t*>(p.kv.data) + token * p.kv.row_stride;
-  RawElements<kLaneDims, false> row_raw;
-  load_raw(row + lane * kLaneDims, row_raw);
-  uint32_t weight_bits[kLaneDims];
-  load_weight_bits<kLaneDims>(p, lane * kLaneDims, weight_bits);
-  int64_t slot = -1, position = -1;
-  if (lane == 0) {
-    position = p.positions[token];
-    slot = c1_store_slot(p.out_loc[token], position, p.cache.capacity(), p.max_pos);
-  }
-  slot = broadcast(slot);
-  position = broadcast(position);
-  float2 cs = {};
-  if (slot >= 0) cs = load_table_lane(p, position, lane);
-  pdl_launch_dependents();
-
-  float x[kLaneDims], w[kLaneDims], v[kLaneDims];
-  widen_raw<kLaneDims, false>(row_raw, x);
-#pragma unroll
-  for (int i = 0; i < kLaneDims; ++i) w[i] = weight_value(p, weight_bits[i]);
-  norm_to_latent(p, token, lane, x, w, v);
-  if (slot >= 0) store_latent_lane<L>(p, lane, v, cs, tails[threadIdx.x >> 5], slot);
-}
-
-// c2: one row per block. A single warp spent most of an emitting row issuing the 512 accurate
-// exp + IEEE divisions of pair_pool back to back (decode batches leave about one warp per scheduler,
-// so nothing hides that latency); 128 threads pool 4 dims each instead, and keep their 4 dims through
-// the norm, RoPE and quantization (block_rms_inverse4 keeps the §1.2 summation order, so the bits are
-// those of the one-warp kernel, whose ~1400 cycles of dependent arithmetic on warp 0 are now spread
-// over four warps).
-// The row's (kv, score), the weight and the row's indices do not depend on each other, so their loads are
-// issued together (the weight as raw bits, see load_weight_bits). Every thread resolves the row's plan
-// itself (the index loads of a warp hit one address; the arithmetic is a few dozen instructions): the
-// partner load then follows the index loads directly instead of waiting for one thread's plan and a block
-// barrier. The partner's pooling runs the four channels side by side (pair_pool_channels).
-constexpr int kC2Threads = kWarpsPerBlock * 32;
-constexpr int kC2ThreadDims = kMainDim / kC2Threads;  // 4: one float4 of kv and one of score
-static_assert(kC2ThreadDims == 4, "phase A moves one float4 per half row and thread");
-constexpr int kNormGroup = kMainDim / 32;                 // 16 dims per group of §1.2
-constexpr int kQuadThreads = kNormGroup / kC2ThreadDims;  // 4 threads per group (and per fake-quant tile)
 
 // 1 / sqrt(ss / 512 + eps) of the row held 4 dims per thread (x) by the block's 128 threads, in the §1.2
 // order: step 1 inside each 16-dim group, whose quad of threads pairs thread a with a ^ 2 (level h = 8)
@@ -177,18 +91,97 @@ __device__ __forceinline__ float block_rms_inverse4(const float* x, float eps, f
   return rms_inverse(rms_group_partial<kMainDim / kNormGroup>(s), kMainDim, eps);
 }
 
+// Whether thread-owned dims [dim, dim + 4) are RoPE dims (448..511: the last 16 threads, two pairs each).
+__device__ __forceinline__ bool rope_dims(int dim) { return dim >= kV4NopeDim; }
+
+// The table entries (cos, sin, cos, sin) of the thread's two RoPE pairs at `position`.
+__device__ __forceinline__ void load_table4(const LowRatioParams& p, int64_t position, int dim, float* cs) {
+  load_widen4<true>(p.freqs + position * kRopeDim + (dim - kV4NopeDim), cs);
+}
+
+// The rest of a row once its (pooled) input x is known, on every thread of the block: latent =
+// bf16(RMSNorm(x) * w) to the output, then, for a row that stores (slot >= 0), §5.4 on the latent:
+// t = bf16(rope_tail(latent)); V41_FP4 stores t, V41 and V4 store fake_quant_compressed_kv(t), whose
+// 16-value tiles are quads of threads. Every thread must call (a block barrier); slot is block-uniform.
 template <KVLayout L>
-__global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRatioParams p) {
+__device__ __forceinline__ void norm_rope_store4(const LowRatioParams& p, int64_t token, int dim, const float* x,
+                                                 const uint32_t* weight_bits, float* cs, int64_t slot,
+                                                 float* group_partials) {
+  float w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = weight_value(p, weight_bits[i]);
+  const float r = block_rms_inverse4(x, p.eps, group_partials);
+  uint16_t bits[4];
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    bits[i] = f32_to_bf16(rms_scale(x[i], r, w[i]));
+    v[i] = bf16_to_f32(bits[i]);
+  }
+  store_latent4(p, token, dim, bits);
+  if (slot < 0) return;
+  if (rope_dims(dim)) {
+    rotate_pair(v[0], v[1], cs[0], cs[1]);
+    rotate_pair(v[2], v[3], cs[2], cs[3]);
+    round_pair_to_bf16(v[0], v[1]);
+    round_pair_to_bf16(v[2], v[3]);
+  }
+  if constexpr (L != KVLayout::V41_FP4) {
+    fake_quant_compressed_values(v, 4, warp_max_xor(abs_max<4>(v), kQuadThreads));
+  }
+  quantize_main_lane<L, kThreadDims>(v, threadIdx.x, p.cache.data_row(slot), p.cache.scale_row(slot));
+}
+
+// c1: the row and the weight do not depend on the indices, so their loads are issued before the index
+// loads and the latencies overlap; the row is widened only after the index loads are out (a warp stalls
+// at the first instruction that reads a pending load).
+template <KVLayout L>
+__global__ void __launch_bounds__(kRowThreads) c1_decode_kernel(LowRatioParams p) {
   __shared__ __align__(16) float group_partials[kMainDim / kNormGroup];
   const int64_t token = blockIdx.x;  // grid = n blocks
-  const int dim = threadIdx.x * kC2ThreadDims;
+  const int dim = threadIdx.x * kThreadDims;
+  pdl_wait_dependencies();
+  const uint16_t* src = static_cast<const uint16_t*>(p.kv.data) + token * p.kv.row_stride + dim;
+  const bool vector = (reinterpret_cast<uintptr_t>(src) & 7) == 0;
+  uint2 raw = {};
+  if (vector) raw = __ldg(reinterpret_cast<const uint2*>(src));
+  uint32_t weight_bits[kThreadDims];
+  load_weight_bits<kThreadDims>(p, dim, weight_bits);
+  const int64_t position = p.positions[token];
+  const int64_t slot = c1_store_slot(p.out_loc[token], position, p.cache.capacity(), p.max_pos);
+  float cs[4] = {};
+  if (rope_dims(dim) && slot >= 0) load_table4(p, position, dim, cs);
+  pdl_launch_dependents();
+  float x[4];
+  if (vector) {
+    x[0] = bits_f32(raw.x << 16); x[1] = bits_f32(raw.x & 0xFFFF0000u);
+    x[2] = bits_f32(raw.y << 16); x[3] = bits_f32(raw.y & 0xFFFF0000u);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = bf16_to_f32(__ldg(src + i));
+  }
+  norm_rope_store4<L>(p, token, dim, x, weight_bits, cs, slot, group_partials);
+}
+
+// c2: a single warp spent most of an emitting row issuing the 512 accurate exp + IEEE divisions of
+// pair_pool back to back; here each thread pools its 4 dims.
+// The row's (kv, score), the weight and the row's indices do not depend on each other, so their loads are
+// issued together (the weight as raw bits, see load_weight_bits). Every thread resolves the row's plan
+// itself (the index loads of a warp hit one address; the arithmetic is a few dozen instructions): the
+// partner load then follows the index loads directly instead of waiting for one thread's plan and a block
+// barrier. The partner's pooling runs the four channels side by side (pair_pool_channels).
+template <KVLayout L>
+__global__ void __launch_bounds__(kRowThreads) c2_decode_or_verify_kernel(LowRatioParams p) {
+  __shared__ __align__(16) float group_partials[kMainDim / kNormGroup];
+  const int64_t token = blockIdx.x;  // grid = n blocks
+  const int dim = threadIdx.x * kThreadDims;
   pdl_wait_dependencies();
   const float* row = static_cast<const float*>(p.kv.data) + token * p.kv.row_stride;
   float kv[4], score[4];
   load_widen4<true>(row + dim, kv);
   load_widen4<true>(row + kMainDim + dim, score);
-  uint32_t weight_bits[kC2ThreadDims];
-  load_weight_bits<kC2ThreadDims>(p, dim, weight_bits);
+  uint32_t weight_bits[kThreadDims];
+  load_weight_bits<kThreadDims>(p, dim, weight_bits);
   const PairRowPlan plan = plan_pair_row(token, p.positions[token], p.req_pool_indices[token], p.out_loc[token],
                                          p.ring, p.cache.capacity(), p.max_pos);
 
@@ -205,7 +198,6 @@ __global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRati
     return;
   }
 
-  // Phase A (all threads): pool this thread's 4 dims with the partner's.
   float k_even[4], s_even[4];
   if (plan.partner_input >= 0) {
     const float* partner = static_cast<const float*>(p.kv.data) + plan.partner_input * p.kv.row_stride;
@@ -222,56 +214,26 @@ __global__ void __launch_bounds__(kC2Threads) c2_decode_or_verify_kernel(LowRati
       s_even[i] = kPadScore;
     }
   }
-  // The table entries of this thread's two RoPE pairs (dims 448..511: the last 16 threads), issued before
-  // the pooling so that their latency hides behind it and the norm.
+  // Issued before the pooling so that the table's latency hides behind it and the norm.
   float cs[4] = {};
-  const bool rope_thread = dim >= kV4NopeDim;
-  if (rope_thread && plan.slot >= 0) load_widen4<true>(p.freqs + plan.rope_position * kRopeDim + (dim - kV4NopeDim), cs);
+  if (rope_dims(dim) && plan.slot >= 0) load_table4(p, plan.rope_position, dim, cs);
   pdl_launch_dependents();
   float x[4];
   pair_pool_channels<4>(k_even, s_even, kv, score, x);
 #pragma unroll
   for (int i = 0; i < 4; ++i) x[i] = round_to_bf16(x[i]);
-
-  // Phase B (all threads, the same 4 dims): latent = bf16(RMSNorm(x) * w), then §5.4 on the latent.
-  float w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = weight_value(p, weight_bits[i]);
-  const float r = block_rms_inverse4(x, p.eps, group_partials);
-  uint16_t bits[4];
-  float v[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    bits[i] = f32_to_bf16(rms_scale(x[i], r, w[i]));
-    v[i] = bf16_to_f32(bits[i]);
-  }
-  store_latent4(p, token, dim, bits);
-  if (plan.slot < 0) return;
-  // t = bf16(rope_tail(latent)): a thread holds two whole pairs.
-  if (rope_thread) {
-    rotate_pair(v[0], v[1], cs[0], cs[1]);
-    rotate_pair(v[2], v[3], cs[2], cs[3]);
-    round_pair_to_bf16(v[0], v[1]);
-    round_pair_to_bf16(v[2], v[3]);
-  }
-  // V41_FP4 stores t; V41 and V4 store fake_quant_compressed_kv(t), whose 16-value tiles are quads of threads.
-  if constexpr (L != KVLayout::V41_FP4) {
-    fake_quant_compressed_values(v, 4, warp_max_xor(abs_max<4>(v), kQuadThreads));
-  }
-  quantize_main_lane<L, kC2ThreadDims>(v, threadIdx.x, p.cache.data_row(plan.slot), p.cache.scale_row(plan.slot));
+  norm_rope_store4<L>(p, token, dim, x, weight_bits, cs, plan.slot, group_partials);
 }
-
-dim3 token_grid(int64_t n) { return dim3(unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
 
 template <KVLayout L>
 void launch_c1(const LowRatioParams& p, cudaStream_t stream) {
-  launch_kernel(c1_decode_kernel<L>, token_grid(p.n), dim3(kWarpsPerBlock * 32), 0, stream,
+  launch_kernel(c1_decode_kernel<L>, dim3(unsigned(p.n)), dim3(kRowThreads), 0, stream,
                 "c1_decode_norm_rope_store", p);
 }
 
 template <KVLayout L>
 void launch_c2(const LowRatioParams& p, cudaStream_t stream) {
-  launch_kernel(c2_decode_or_verify_kernel<L>, dim3(unsigned(p.n)), dim3(kC2Threads), 0, stream,
+  launch_kernel(c2_decode_or_verify_kernel<L>, dim3(unsigned(p.n)), dim3(kRowThreads), 0, stream,
                 "c2_decode_or_verify_norm_rope_store", p);
 }
 
