@@ -1,6 +1,6 @@
 // CUDA kernels of compress_forward. c4: one thread per 4 channels of an entry (D/4 threads), all 8
 // window slots in registers. c128: a block per (rows, 32-channel chunk), so that one window's 512 KiB
-// of ring rows is read by 16 blocks on 16 SMs; its 256 threads pool 4 slots each online (8 lanes x 4
+// of ring rows is read by 16 blocks on 16 SMs; its 256 threads pool 4 slots each (8 lanes x 4
 // channels cover a slot's chunk), merged with max-rescaled reductions in a fixed order. Prefill
 // writes run in a second launch.
 #include "forward_launch.h"
@@ -139,21 +139,33 @@ __device__ __forceinline__ SlotLoads<InBf16, StBf16> issue_slot(const ForwardPar
   return l;
 }
 
-// Σ v·exp(s − m) / Σ exp(s − m) over N slots for one channel, m the slots' max (0 if all are pad).
+// (m, Σ exp(s − m), Σ v·exp(s − m)) over N slots of one channel, m the slots' max; l = a = 0 if all are
+// pad (s = −inf, v = 0). A max pass, then a sum pass: no data-dependent branch per slot.
+struct SoftmaxPartial {
+  float m, l, a;
+};
+
 template <int N>
-__device__ __forceinline__ float softmax_pool(const float* s, const float* v) {
+__device__ __forceinline__ SoftmaxPartial softmax_partial(const float* s, const float* v) {
   float m = s[0];
 #pragma unroll
   for (int k = 1; k < N; ++k) m = s[k] > m ? s[k] : m;
-  if (m == __int_as_float(0xFF800000)) return 0.f;
-  float sum = 0.f, acc = 0.f;
+  SoftmaxPartial r{m, 0.f, 0.f};
+  if (m == __int_as_float(0xFF800000)) return r;
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     const float e = expf(s[k] - m);
-    sum += e;
-    acc += v[k] * e;
+    r.l += e;
+    r.a += v[k] * e;
   }
-  return acc / sum;
+  return r;
+}
+
+// Σ v·exp(s − m) / Σ exp(s − m) over N slots for one channel (0 if all are pad).
+template <int N>
+__device__ __forceinline__ float softmax_pool(const float* s, const float* v) {
+  const SoftmaxPartial r = softmax_partial<N>(s, v);
+  return r.l == 0.f ? 0.f : r.a / r.l;
 }
 
 // c4: the 8-slot window for channels [c, c+4).
@@ -176,24 +188,6 @@ __device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c
                      softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
 }
 
-// Running (max, Σ exp(s − max), Σ v·exp(s − max)) of one channel.
-struct OnlineSoftmax {
-  float m, l, a;
-  __device__ __forceinline__ void add(float s, float v) {
-    if (s == __int_as_float(0xFF800000)) return;  // pad slot
-    if (s > m) {
-      const float scale = expf(m - s);  // 0 for the first finite slot
-      l = l * scale + 1.f;
-      a = a * scale + v;
-      m = s;
-    } else {
-      const float e = expf(s - m);
-      l += e;
-      a += v * e;
-    }
-  }
-};
-
 // Partial (max, Σ exp(s − max), Σ v·exp(s − max)) per slice and channel, and after the first merge
 // level per group of kC128Partials / kC128MergeGroups slices.
 struct C128Merge {
@@ -202,12 +196,12 @@ struct C128Merge {
 };
 
 // Merges partials [first, first + n) of channel ch in index order (pad-only partials skipped).
-__device__ __forceinline__ OnlineSoftmax merge_partials(const float (*m)[kC128Chunk], const float (*l)[kC128Chunk],
+__device__ __forceinline__ SoftmaxPartial merge_partials(const float (*m)[kC128Chunk], const float (*l)[kC128Chunk],
                                                         const float (*a)[kC128Chunk], int first, int n, int ch) {
   const float kNegInf = __int_as_float(0xFF800000);
   float mx = kNegInf;
   for (int s = first; s < first + n; ++s) mx = m[s][ch] > mx ? m[s][ch] : mx;
-  OnlineSoftmax r{mx, 0.f, 0.f};
+  SoftmaxPartial r{mx, 0.f, 0.f};
   if (mx == kNegInf) return r;
   for (int s = first; s < first + n; ++s) {
     if (m[s][ch] == kNegInf) continue;
@@ -232,29 +226,26 @@ __device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t
   for (int i = 0; i < kC128SlotsPerThread; ++i) {
     l[i] = issue_slot<128, InBf16, StBf16, Vec>(p, w, partial * kC128SlotsPerThread + i, c, pages);
   }
-  OnlineSoftmax st[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) st[j] = OnlineSoftmax{__int_as_float(0xFF800000), 0.f, 0.f};
+  float scores[4][kC128SlotsPerThread], values[4][kC128SlotsPerThread];
 #pragma unroll
   for (int i = 0; i < kC128SlotsPerThread; ++i) {
     float4 value, score;
     l[i].resolve(value, score);
-    st[0].add(score.x, value.x);
-    st[1].add(score.y, value.y);
-    st[2].add(score.z, value.z);
-    st[3].add(score.w, value.w);
+    scores[0][i] = score.x; scores[1][i] = score.y; scores[2][i] = score.z; scores[3][i] = score.w;
+    values[0][i] = value.x; values[1][i] = value.y; values[2][i] = value.z; values[3][i] = value.w;
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    merge.m[partial][4 * quad + j] = st[j].m;
-    merge.l[partial][4 * quad + j] = st[j].l;
-    merge.a[partial][4 * quad + j] = st[j].a;
+    const SoftmaxPartial st = softmax_partial<kC128SlotsPerThread>(scores[j], values[j]);
+    merge.m[partial][4 * quad + j] = st.m;
+    merge.l[partial][4 * quad + j] = st.l;
+    merge.a[partial][4 * quad + j] = st.a;
   }
   __syncthreads();
   {  // first level: thread (group, ch) merges its group's partials of channel ch
     constexpr int kPerGroup = kC128Partials / kC128MergeGroups;
     const int group = threadIdx.x / kC128Chunk, ch = threadIdx.x % kC128Chunk;
-    const OnlineSoftmax g = merge_partials(merge.m, merge.l, merge.a, group * kPerGroup, kPerGroup, ch);
+    const SoftmaxPartial g = merge_partials(merge.m, merge.l, merge.a, group * kPerGroup, kPerGroup, ch);
     merge.m2[group][ch] = g.m;
     merge.l2[group][ch] = g.l;
     merge.a2[group][ch] = g.a;
@@ -262,7 +253,7 @@ __device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t
   __syncthreads();
   float out = 0.f;
   if (threadIdx.x < kC128Chunk) {  // second level: one channel per thread of warp 0
-    const OnlineSoftmax r = merge_partials(merge.m2, merge.l2, merge.a2, 0, kC128MergeGroups, threadIdx.x);
+    const SoftmaxPartial r = merge_partials(merge.m2, merge.l2, merge.a2, 0, kC128MergeGroups, threadIdx.x);
     if (r.m != __int_as_float(0xFF800000)) out = r.a / r.l;
   }
   __syncthreads();  // `merge` is reused by the next window
@@ -324,17 +315,27 @@ __global__ void __launch_bounds__(kC4Threads) c4_prefill_kernel(ForwardParams p)
 // ---- c128 ----
 
 // Decode: block (x, y) serves requests [x·R, x·R + R) on channel chunk y: it copies that chunk of
-// each input row (kv and s halves) to the state and pools the requests that close a chunk.
+// each input row (kv and s halves) to the state, writes the zero outputs of the rows that do not close
+// a chunk, and pools the ones that do, one after another (a batch has about R / 128 of them per block).
 template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams p, int rows_per_block) {
   __shared__ DecodeEntry entries[kC128MaxRowsPerBlock];
+  __shared__ uint32_t emitting;  // bit r: row first + r closes a chunk
   __shared__ C128Merge merge;
   const int64_t D = p.head_dim;
   const int64_t first = int64_t(blockIdx.x) * rows_per_block;
   const int64_t chunk = int64_t(blockIdx.y) * kC128Chunk;
   pdl_wait_dependencies();
-  if (threadIdx.x < rows_per_block && first + threadIdx.x < p.plan_rows) {
-    entries[threadIdx.x] = load_decode_entry(p.plan + (first + threadIdx.x) * kPlanRowBytes);
+  if (threadIdx.x < 32) {  // rows_per_block <= 16: the entries are warp 0's
+    const bool live = threadIdx.x < rows_per_block && first + threadIdx.x < p.plan_rows;
+    bool emits = false;
+    if (live) {
+      const DecodeEntry e = load_decode_entry(p.plan + (first + threadIdx.x) * kPlanRowBytes);
+      entries[threadIdx.x] = e;
+      emits = decode_window(e, first + threadIdx.x, 128).emits;
+    }
+    const uint32_t mask = __ballot_sync(0xFFFFFFFFu, emits);
+    if (threadIdx.x == 0) emitting = mask;
   }
   // This thread's copy item: row r, the kv (half 0) or s (half 1) part of the chunk, 4 channels.
   // Input loads do not depend on the plan: issue them before the barrier.
@@ -345,6 +346,7 @@ __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams
   float4 item = make_float4(0.f, 0.f, 0.f, 0.f);
   if (has_item) item = load4<InBf16, Vec>(p.input, (first + r_item) * p.input_stride + col);
   __syncthreads();
+  const uint32_t emitting_rows = emitting;
   // The writes go to the ring rows of the current positions, which no window of this call reads
   // (each takes its current token from the input), so they may precede the pooling.
   if (has_item) {
@@ -352,12 +354,15 @@ __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams
     if (e.seq_len != kInvalidPlanWord && writable_state_row(e.write_loc, p.state_rows, 128)) {
       store4<StBf16, Vec>(p.state, int64_t(e.write_loc) * 2 * D + col, item);
     }
+    // The kv half's items cover the chunk's output channels.
+    if (half == 0 && !(emitting_rows >> r_item & 1u)) {
+      store4<InBf16, Vec>(p.out, (first + r_item) * D + col, make_float4(0.f, 0.f, 0.f, 0.f));
+    }
   }
-  for (int r = 0; r < rows_per_block && first + r < p.plan_rows; ++r) {
+  for (uint32_t rows = emitting_rows; rows != 0; rows &= rows - 1) {  // block-uniform
+    const int r = __ffs(rows) - 1;
     const int64_t b = first + r;
-    const PoolWindow w = decode_window(entries[r], b, 128);
-    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (w.emits) out = pool_c128<InBf16, StBf16, Vec>(p, w, chunk, merge);  // block-uniform branch
+    const float4 out = pool_c128<InBf16, StBf16, Vec>(p, decode_window(entries[r], b, 128), chunk, merge);
     if (threadIdx.x < kC128LanesPerSlot) store4<InBf16, Vec>(p.out, b * D + chunk + 4 * threadIdx.x, out);
   }
   pdl_launch_dependents();
@@ -403,8 +408,10 @@ __global__ void __launch_bounds__(kWriteWarps * 32) state_write_kernel(ForwardPa
 unsigned blocks_for(int64_t n, int64_t per_block) { return unsigned((n + per_block - 1) / per_block); }
 
 // Rows per c128 block: enough blocks to fill the GPU at small sizes, fewer and fuller ones at large.
-int c128_rows_per_block(int64_t rows) {
-  const int64_t r = rows / 128;
+// Decode blocks are mostly copies (a row closes a chunk once in 128 steps), so they take rows sooner:
+// a block per row at 64 rows launched 1024 blocks of 256 threads, most of them for one 16-thread copy.
+int c128_rows_per_block(int64_t rows, bool is_decode) {
+  const int64_t r = rows / (is_decode ? 32 : 128);
   return int(r < 1 ? 1 : (r > kC128MaxRowsPerBlock ? kC128MaxRowsPerBlock : r));
 }
 
@@ -420,7 +427,7 @@ void launch(const ForwardParams& p, cudaStream_t stream) {
         launch_kernel(c4_prefill_kernel<InBf16, StBf16, Vec>, grid, dim3(kC4Threads), 0, stream, "compress_forward", p);
       }
     } else {
-      const int rows_per_block = c128_rows_per_block(p.plan_rows);
+      const int rows_per_block = c128_rows_per_block(p.plan_rows, p.is_decode);
       const dim3 grid(blocks_for(p.plan_rows, rows_per_block), unsigned(p.head_dim / kC128Chunk));
       if (p.is_decode) {
         launch_kernel(c128_decode_kernel<InBf16, StBf16, Vec>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
