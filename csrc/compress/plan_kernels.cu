@@ -19,9 +19,9 @@ constexpr int kRowThreads = 256;  // rows are latency chains: spread them over b
 // (odd block, two slots each). That covers every row of a verify or extend step of up to 8 tokens; two
 // threads per request keep each one's slots in the registers of a 1024-thread block, and slices spread
 // a large batch's lookups over several SMs. A slice is one warp: an owner's lookups are eight scattered
-// loads per round, so each SM should carry few owners (H200, verify step of 4 tokens, c4 paged / c128, bs 256:
-// 4.71 / 3.37 us with slices of 256 requests, 3.78 / 2.87 with 64, 3.69 / 2.96 with 32; bs 1024: 5.78 / 4.43,
-// 4.87 / 3.81, 4.85 / 3.90; bs 64, c4: 3.68 with 256 or 64, 3.51 with 32).
+// loads per round, so each SM should carry few owners (H200, verify step of 4 tokens, c4 paged / c128: slices
+// of 256 requests took 4.71 / 3.37 us at bs 256 and 5.78 / 4.43 at bs 1024, slices of 32 took 3.69 / 2.96 and
+// 4.85 / 3.90; slices of 16 were no faster).
 constexpr int kOwnedSlots = 8;
 constexpr int kOwnedWrites = kOwnedSlots;
 constexpr int kOwnedCompress = kOwnedSlots / 2;
