@@ -8,7 +8,6 @@
 #include "dsv4/rope.cuh"
 #include "dsv4/vec_io.cuh"
 #include "dsv4/warp_quant.cuh"
-#include "dsv4/warp_rope.cuh"
 
 namespace dsv4 {
 
