@@ -47,3 +47,73 @@ def test_threshold_products_equal_ieee_division(device):
     data, scale = ref.quantize_rows(rows, dsv4.KVLayout.V41_FP4)
     assert torch.equal(cache[:, :256].cpu(), data)
     assert torch.equal(cache[:, 256:288].cpu(), scale)
+
+
+def bf16_sweep_rows() -> torch.Tensor:
+    """bf16 rows of 16-value blocks: element 0 is 6*S (the block scale is exactly the e4m3 value S), the
+    others walk every bf16 value within +-64 bf16 ulps of each t*S (clamped to 6*S), both signs."""
+    scales = ref.e4m3_decode(torch.arange(1, 0x7F, dtype=torch.uint8))
+    products = (scales[:, None] * torch.tensor(THRESHOLDS)[None, :]).reshape(-1)  # bf16 values
+    offsets = torch.arange(-ULPS, ULPS + 1, dtype=torch.int32)
+    bits = (products.view(torch.int32)[:, None] >> 16) + offsets[None, :]
+    values = (bits << 16).view(torch.float32).reshape(len(scales), -1)
+    values = torch.minimum(values, 6.0 * scales[:, None])
+    values = torch.stack([values, -values], 2).reshape(len(scales), -1)
+    per_block = BLOCK - 1
+    width = (values.shape[1] + per_block - 1) // per_block * per_block
+    blocks = torch.nn.functional.pad(values, (0, width - values.shape[1])).view(len(scales), -1, per_block)
+    head = (6.0 * scales)[:, None, None].expand(-1, blocks.shape[1], 1)
+    x = torch.cat([head, blocks], 2).reshape(-1)
+    x = torch.nn.functional.pad(x, (0, -x.numel() % 512))
+    return x.view(-1, 512).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bf16_pair_encoder_equals_reference(device):
+    """bf16 input takes the packed bf16x2 encoder on CUDA (e2m1_pairs.cuh): every bf16 value near every
+    threshold of every scale, stored through fused_store_cache, equals the reference rows."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rows = bf16_sweep_rows()
+    assert rows.shape[0] > 200
+    cache = torch.zeros(rows.shape[0], dsv4.KVLayout.V41_FP4.page_bytes(1), dtype=torch.uint8, device=device)
+    slots = torch.arange(rows.shape[0], device=device)
+    dsv4.fused_store_cache(rows.to(device), cache, slots, page_size=1, layout="v41_fp4")
+    data, scale = ref.quantize_rows(rows.float(), dsv4.KVLayout.V41_FP4)
+    assert torch.equal(cache[:, :256].cpu(), data)
+    assert torch.equal(cache[:, 256:288].cpu(), scale)
+
+
+def indexer_sweep_rows() -> torch.Tensor:
+    """fp32 rows of 32-value tiles for the indexer fp4 quantizer: element 0 is 6 * 2^k (the tile multiplier is
+    exactly 2^-k) and the others walk +-64 fp32 ulps around t * 2^k for every threshold t, both signs, for
+    k in [-20, 20]."""
+    tile = 32
+    scales = torch.pow(2.0, torch.arange(-20, 21, dtype=torch.float32))
+    products = (scales[:, None] * torch.tensor(THRESHOLDS)[None, :]).reshape(-1)
+    offsets = torch.arange(-ULPS, ULPS + 1, dtype=torch.int32)
+    values = (products.view(torch.int32)[:, None] + offsets[None, :]).view(torch.float32)
+    values = torch.stack([values, -values], 2).reshape(len(scales), -1)
+    per_tile = tile - 1
+    width = (values.shape[1] + per_tile - 1) // per_tile * per_tile
+    tiles = torch.nn.functional.pad(values, (0, width - values.shape[1])).view(len(scales), -1, per_tile)
+    head = (6.0 * scales)[:, None, None].expand(-1, tiles.shape[1], 1)
+    x = torch.cat([head, tiles], 2).reshape(-1)
+    return torch.nn.functional.pad(x, (0, -x.numel() % 128)).view(-1, 128)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_indexer_pair_encoder_equals_reference(device):
+    """The indexer fp4 store encodes pairs on CUDA (E2m1ThresholdPairEncoder, which rounds magnitudes up to
+    bf16): exact thresholds (ties toward zero) and one ulp above them, against the reference quantizer."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rows = indexer_sweep_rows()
+    assert rows.shape[0] > 100
+    fmt = dsv4.IndexerFormat.FP4
+    cache = torch.zeros(rows.shape[0], fmt.page_bytes(1), dtype=torch.uint8, device=device)
+    slots = torch.arange(rows.shape[0], device=device)
+    dsv4.fused_store_cache(rows.to(device), cache, slots, page_size=1, type="indexer", use_fp4=True)
+    data, scale = ref.quantize_indexer_fp4(rows)
+    assert torch.equal(cache[:, :64].cpu(), data)
+    assert torch.equal(cache[:, 64:68].cpu(), scale)

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
     }
   }
   pdl_launch_dependents();
-  quantize_main_lane<L>(x, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
+  quantize_main_lane<L, !InputFp32>(x, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
 // Indexer rows: four per warp, 8 lanes x 16 dims each (warp_quant.cuh).

@@ -137,7 +137,7 @@ __device__ __forceinline__ void write_main_row(const NormRopeParams& p, const Ra
   if (round_first) round_lane_to_bf16(y);
   // V4 stores the rotated fp32 tail as bf16 itself; V41 / V41_FP4 round it here.
   rotate_tail_across_warp<L != KVLayout::V4>(y, cs, lane, tail);
-  quantize_main_lane<L>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
+  quantize_main_lane<L, L != KVLayout::V4>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
 }
 
 // K writer (S == KWriter) and compress main writer, one row per warp. The bound of 10 blocks per SM

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "dsv4/e2m1_pairs.cuh"
 #include "dsv4/kv_layout.cuh"
 #include "dsv4/quant.cuh"
 #include "dsv4/vec_io.cuh"
@@ -60,7 +61,8 @@ __device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t* words)
 // and scale rows. A tile's amax is reduced over the lanes that share it (16 dims per lane: V4 4 lanes, V41
 // 2, V41_FP4 1; 4 dims per lane: 16, 8, 4). V4's RoPE lanes store their values as bf16 (a tile never mixes
 // nope and RoPE dims, so their lanes take no part in the nope lanes' reductions).
-template <KVLayout L, int LaneDims = kLaneDims>
+// Bf16Values: every x is bf16-representable, which lets V41_FP4 encode pairs (e2m1_pairs.cuh); same bytes.
+template <KVLayout L, bool Bf16Values, int LaneDims = kLaneDims>
 __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint8_t* data, uint8_t* scale) {
   constexpr int kTile = LayoutTraits<L>::kTile;
   static_assert(LaneDims % 4 == 0 && kTile % LaneDims == 0, "a lane holds whole words of one tile");
@@ -77,10 +79,14 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint
   uint8_t scale_byte;
   if constexpr (L == KVLayout::V41_FP4) {
     scale_byte = v41_fp4_scale_byte(amax);
-    const E2m1RneThresholds encoder(e4m3_decode(scale_byte));
     uint32_t packed[(LaneDims + 7) / 8] = {};  // eight codes per word
+    if constexpr (Bf16Values) {
+      encode_e2m1_pairs<LaneDims>(E2m1Bf16PairEncoder(e4m3_decode(scale_byte)), x, packed);
+    } else {
+      const E2m1RneThresholds encoder(e4m3_decode(scale_byte));
 #pragma unroll
-    for (int i = 0; i < LaneDims; ++i) packed[i / 8] |= uint32_t(encoder.encode(x[i])) << (4 * (i % 8));
+      for (int i = 0; i < LaneDims; ++i) packed[i / 8] |= uint32_t(encoder.encode(x[i])) << (4 * (i % 8));
+    }
     store_words<LaneDims / 2>(data + LaneDims / 2 * sub, packed);
   } else {
     scale_byte = L == KVLayout::V4 ? v4_scale_byte(amax) : v41_scale_byte(amax);
@@ -137,10 +143,10 @@ __device__ __forceinline__ void quantize_indexer_lane(const float* x, int sub, u
     amax = warp_max_xor(amax, kLanesPerTile);
     const uint8_t b = indexer_fp4_scale_byte(amax);
     const float inv = inverse_scale_of_byte(b);
+    float q[LaneDims];
 #pragma unroll
-    for (int k = 0; k < LaneDims / 4; ++k) words[k] = 0;
-#pragma unroll
-    for (int i = 0; i < LaneDims; ++i) words[i / 8] |= uint32_t(e2m1_encode_threshold(x[i] * inv)) << (4 * (i % 8));
+    for (int i = 0; i < LaneDims; ++i) q[i] = x[i] * inv;
+    encode_e2m1_pairs<LaneDims>(E2m1ThresholdPairEncoder{}, q, words);
     uint8_t* dst = data + (LaneDims / 2) * sub;
     if constexpr (LaneDims == 4) {
       *reinterpret_cast<uint16_t*>(dst) = uint16_t(words[0]);
