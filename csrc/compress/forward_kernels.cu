@@ -17,7 +17,7 @@ constexpr int kC128Chunk = 32;                                    // channels pe
 constexpr int kC128LanesPerSlot = kC128Chunk / 4;                 // 8 lanes x 4 channels
 constexpr int kC128Partials = kC128Threads / kC128LanesPerSlot;   // 32 slices of the window
 constexpr int kC128SlotsPerThread = 128 / kC128Partials;          // 4, all loaded before the first use
-constexpr int kC128MergeGroups = kC128Threads / 32;               // second merge level: one partial per warp
+constexpr int kC128MergeGroups = kC128Threads / kC128Chunk;       // first merge level: 8 x 4 partials
 constexpr int kC128MaxRowsPerBlock = 16;
 constexpr int kC128ItemsPerRow = 2 * kC128Chunk / 4;  // float4 items of a row's (kv, s) chunk
 static_assert(kC128MaxRowsPerBlock * kC128ItemsPerRow == kC128Threads, "one decode copy item per thread");
@@ -188,37 +188,37 @@ __device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c
                      softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
 }
 
-// The two partials merged: (max, Σ l·exp(m − max), Σ a·exp(m − max)). Symmetric in its operands, bit
-// for bit (max and fp32 addition are commutative), so both lanes of a shuffle pair hold the same result.
-__device__ __forceinline__ SoftmaxPartial merge_two(const SoftmaxPartial& x, const SoftmaxPartial& y) {
-  const float m = x.m > y.m ? x.m : y.m;
-  if (m == __int_as_float(0xFF800000)) return SoftmaxPartial{m, 0.f, 0.f};  // both pad only
-  const float ex = expf(x.m - m), ey = expf(y.m - m);  // a pad partial (m = -inf, l = a = 0) adds 0
-  return SoftmaxPartial{m, x.l * ex + y.l * ey, x.a * ex + y.a * ey};
-}
-
-__device__ __forceinline__ SoftmaxPartial shfl_xor_partial(const SoftmaxPartial& x, int mask) {
-  return SoftmaxPartial{__shfl_xor_sync(0xFFFFFFFFu, x.m, mask), __shfl_xor_sync(0xFFFFFFFFu, x.l, mask),
-                        __shfl_xor_sync(0xFFFFFFFFu, x.a, mask)};
-}
-
-// Each warp's merged partial per channel, for the second merge level. Two buffers, used by alternate
-// windows: a warp may start the next window while warp 0 still reads this one's buffer, and it cannot
-// reach the window after that before warp 0 has passed the next window's barrier.
+// Partial (max, Σ exp(s − max), Σ v·exp(s − max)) per slice and channel, and after the first merge
+// level per group of kC128Partials / kC128MergeGroups slices.
 struct C128Merge {
-  float m[2][kC128MergeGroups][kC128Chunk], l[2][kC128MergeGroups][kC128Chunk], a[2][kC128MergeGroups][kC128Chunk];
+  float m[kC128Partials][kC128Chunk], l[kC128Partials][kC128Chunk], a[kC128Partials][kC128Chunk];
+  float m2[kC128MergeGroups][kC128Chunk], l2[kC128MergeGroups][kC128Chunk], a2[kC128MergeGroups][kC128Chunk];
 };
 
+// Merges partials [first, first + n) of channel ch in index order (pad-only partials skipped).
+__device__ __forceinline__ SoftmaxPartial merge_partials(const float (*m)[kC128Chunk], const float (*l)[kC128Chunk],
+                                                        const float (*a)[kC128Chunk], int first, int n, int ch) {
+  const float kNegInf = __int_as_float(0xFF800000);
+  float mx = kNegInf;
+  for (int s = first; s < first + n; ++s) mx = m[s][ch] > mx ? m[s][ch] : mx;
+  SoftmaxPartial r{mx, 0.f, 0.f};
+  if (mx == kNegInf) return r;
+  for (int s = first; s < first + n; ++s) {
+    if (m[s][ch] == kNegInf) continue;
+    const float scale = expf(m[s][ch] - mx);
+    r.l += l[s][ch] * scale;
+    r.a += a[s][ch] * scale;
+  }
+  return r;
+}
+
 // c128: the block's 32-channel chunk [chunk, chunk + 32) of one window. Thread t pools slots
-// [4·(t / 8), 4·(t / 8) + 4) on channels chunk + 4·(t % 8) + [0, 4). A warp's four slices of a channel
-// (lanes q, q + 8, q + 16, q + 24) are merged by two shuffle levels (a fixed tree), then warp 0 merges the
-// 8 warps' partials in warp order: one barrier per window. Every thread of the block must call it, with
-// `buffer` alternating between calls; the result is valid in threads 0..7 (4 channels each).
+// [4·(t / 8), 4·(t / 8) + 4) on channels chunk + 4·(t % 8) + [0, 4); the 32 partials of a channel are
+// merged in two fixed-order levels (8 groups of 4, then the 8 groups). Every thread of the block must
+// call it; the result is valid in threads 0..7 (4 channels each).
 template <bool InBf16, bool StBf16, bool Vec>
-__device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t chunk, C128Merge& merge,
-                            int buffer) {
+__device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t chunk, C128Merge& merge) {
   const int partial = threadIdx.x / kC128LanesPerSlot, quad = threadIdx.x % kC128LanesPerSlot;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t c = chunk + 4 * quad;
   const int64_t pages = p.state_rows / 128;
   SlotLoads<InBf16, StBf16> l[kC128SlotsPerThread];
@@ -236,34 +236,29 @@ __device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    SoftmaxPartial st = softmax_partial<kC128SlotsPerThread>(scores[j], values[j]);
-    st = merge_two(st, shfl_xor_partial(st, 8));
-    st = merge_two(st, shfl_xor_partial(st, 16));
-    if (lane < kC128LanesPerSlot) {
-      merge.m[buffer][warp][4 * quad + j] = st.m;
-      merge.l[buffer][warp][4 * quad + j] = st.l;
-      merge.a[buffer][warp][4 * quad + j] = st.a;
-    }
+    const SoftmaxPartial st = softmax_partial<kC128SlotsPerThread>(scores[j], values[j]);
+    merge.m[partial][4 * quad + j] = st.m;
+    merge.l[partial][4 * quad + j] = st.l;
+    merge.a[partial][4 * quad + j] = st.a;
+  }
+  __syncthreads();
+  {  // first level: thread (group, ch) merges its group's partials of channel ch
+    constexpr int kPerGroup = kC128Partials / kC128MergeGroups;
+    const int group = threadIdx.x / kC128Chunk, ch = threadIdx.x % kC128Chunk;
+    const SoftmaxPartial g = merge_partials(merge.m, merge.l, merge.a, group * kPerGroup, kPerGroup, ch);
+    merge.m2[group][ch] = g.m;
+    merge.l2[group][ch] = g.l;
+    merge.a2[group][ch] = g.a;
   }
   __syncthreads();
   float out = 0.f;
-  if (warp == 0) {  // second level: one channel per lane, the warps' partials in order
-    const float kNegInf = __int_as_float(0xFF800000);
-    float mx = kNegInf;
-#pragma unroll
-    for (int g = 0; g < kC128MergeGroups; ++g) mx = fmaxf(mx, merge.m[buffer][g][lane]);
-    if (mx != kNegInf) {
-      float sum_l = 0.f, sum_a = 0.f;
-#pragma unroll
-      for (int g = 0; g < kC128MergeGroups; ++g) {
-        const float e = expf(merge.m[buffer][g][lane] - mx);  // 0 for a pad-only warp
-        sum_l += merge.l[buffer][g][lane] * e;
-        sum_a += merge.a[buffer][g][lane] * e;
-      }
-      out = sum_a / sum_l;
-    }
+  if (threadIdx.x < kC128Chunk) {  // second level: one channel per thread of warp 0
+    const SoftmaxPartial r = merge_partials(merge.m2, merge.l2, merge.a2, 0, kC128MergeGroups, threadIdx.x);
+    if (r.m != __int_as_float(0xFF800000)) out = r.a / r.l;
   }
+  __syncthreads();  // `merge` is reused by the next window
   // Gather channels 4·lane .. 4·lane + 3 into lanes 0..7 for one vector store.
+  const int lane = threadIdx.x & 31;
   float4 v;
   v.x = __shfl_sync(0xFFFFFFFFu, out, (4 * lane) & 31);
   v.y = __shfl_sync(0xFFFFFFFFu, out, (4 * lane + 1) & 31);
@@ -364,12 +359,10 @@ __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams
       store4<InBf16, Vec>(p.out, (first + r_item) * D + col, make_float4(0.f, 0.f, 0.f, 0.f));
     }
   }
-  int buffer = 0;
-  for (uint32_t rows = emitting_rows; rows != 0; rows &= rows - 1, buffer ^= 1) {  // block-uniform
+  for (uint32_t rows = emitting_rows; rows != 0; rows &= rows - 1) {  // block-uniform
     const int r = __ffs(rows) - 1;
     const int64_t b = first + r;
-    const float4 out =
-        pool_c128<InBf16, StBf16, Vec>(p, decode_window(entries[r], b, 128), chunk, merge, buffer);
+    const float4 out = pool_c128<InBf16, StBf16, Vec>(p, decode_window(entries[r], b, 128), chunk, merge);
     if (threadIdx.x < kC128LanesPerSlot) store4<InBf16, Vec>(p.out, b * D + chunk + 4 * threadIdx.x, out);
   }
   pdl_launch_dependents();
@@ -383,15 +376,11 @@ __global__ void __launch_bounds__(kC128Threads) c128_prefill_kernel(ForwardParam
   const int64_t first = int64_t(blockIdx.x) * rows_per_block;
   const int64_t chunk = int64_t(blockIdx.y) * kC128Chunk;
   pdl_wait_dependencies();
-  int buffer = 0;
   for (int r = 0; r < rows_per_block && first + r < p.plan_rows; ++r) {
     const int64_t k = first + r;
     const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (w.emits) {  // block-uniform branch
-      out = pool_c128<InBf16, StBf16, Vec>(p, w, chunk, merge, buffer);
-      buffer ^= 1;
-    }
+    if (w.emits) out = pool_c128<InBf16, StBf16, Vec>(p, w, chunk, merge);  // block-uniform branch
     if (threadIdx.x < kC128LanesPerSlot) store4<InBf16, Vec>(p.out, k * D + chunk + 4 * threadIdx.x, out);
   }
   pdl_launch_dependents();
