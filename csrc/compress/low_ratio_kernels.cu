@@ -1,6 +1,7 @@
 // CUDA kernels of the ratio-1 and ratio-2 decode compressors: one row per block of 128 threads, thread t
 // owns latent dims [4t, 4t+4) through the pooling (c2), the norm, RoPE and the quantizer.
 #include "low_ratio_launch.h"
+#include "dsv4/e2m1_pairs.cuh"
 #include "dsv4/launch.cuh"
 #include "dsv4/norm.cuh"
 #include "dsv4/pair_pool.cuh"
@@ -126,7 +127,7 @@ __device__ __forceinline__ void norm_rope_store4(const LowRatioParams& p, int64_
     round_pair_to_bf16(v[2], v[3]);
   }
   if constexpr (L != KVLayout::V41_FP4) {
-    fake_quant_compressed_values(v, 4, warp_max_xor(abs_max<4>(v), kQuadThreads));
+    fake_quant_compressed_bf16_values<4>(v, warp_max_xor(abs_max<4>(v), kQuadThreads));
   }
   quantize_main_lane<L, true, kThreadDims>(v, threadIdx.x, p.cache.data_row(slot), p.cache.scale_row(slot));
 }

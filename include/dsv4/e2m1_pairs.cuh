@@ -16,6 +16,8 @@
 
 #include <cuda_bf16.h>
 
+#include "dsv4/quant.cuh"
+
 namespace dsv4 {
 
 // (lo, hi) as bf16 bits, lo in bits 0..15: exact for bf16-representable values.
@@ -110,6 +112,21 @@ __device__ __forceinline__ void encode_e2m1_pairs(const PairEncoder& encoder, co
       const uint32_t high = __byte_perm(bytes[4 * w + 2], bytes[4 * w + 3], 0x0040);
       words[w] = __byte_perm(low, high, 0x5410);
     }
+  }
+}
+
+// fake_quant_compressed_values (quant.cuh) for N bf16-representable values of one tile, two at a time: the
+// V41_FP4 codes of E2m1Bf16PairEncoder decoded and scaled back, the same bits.
+template <int N>
+__device__ __forceinline__ void fake_quant_compressed_bf16_values(float* x, float tile_amax) {
+  static_assert(N % 2 == 0, "whole pairs");
+  const float scale = e4m3_decode(v41_fp4_scale_byte(tile_amax));
+  const E2m1Bf16PairEncoder encoder(scale);
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) {
+    const uint32_t codes = encoder.encode_pair(x[2 * k], x[2 * k + 1]);
+    x[2 * k] = e2m1_decode(uint8_t(codes & 0xFu)) * scale;
+    x[2 * k + 1] = e2m1_decode(uint8_t((codes >> 4) & 0xFu)) * scale;
   }
 }
 
