@@ -1,6 +1,6 @@
 // CUDA kernels of the norm + RoPE cache writers, 4 warps per block. Main rows: one per warp, lane l owns
 // dims [16l, 16l+16) (lanes 28..31 the RoPE tail) for the norm and the quantizer, and rotates RoPE pair
-// l; indexer rows: four per warp, lane s of a row's 8 owns dims [16s, 16s+16). A row's first lane
+// l; indexer rows: four per warp, lane s of a row's 8 owns dims [16s, 16s+16). Every lane of a row
 // resolves its slot and position (from out_loc/positions or the plan entry).
 #include "writers_launch.h"
 #include "dsv4/hadamard.cuh"
@@ -18,7 +18,6 @@ namespace dsv4 {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 // Where a row's slot and RoPE position come from.
 enum class RowSource { KWriter, CompressDecode, CompressPrefill };
@@ -28,9 +27,10 @@ struct RowTarget {
   int64_t position;
 };
 
-// A row's index loads, issued by the first lane of its lanes ahead of their use: the slot and
-// position (K writer), or the plan entry (compress writers; a decode row's slot is out_loc[row], one
-// entry per plan row as the op checks, so it is loaded with the entry instead of after it).
+// A row's index loads: the slot and position (K writer), or the plan entry (compress writers; a decode
+// row's slot is out_loc[row], one entry per plan row as the op checks, so it is loaded with the entry
+// instead of after it). Every lane of the row loads the same addresses (one broadcast access per load)
+// and resolves the row itself: a leader lane with shuffles cost about 20 more instructions per row.
 struct RowIndices {
   long long slot = -1;
   long long position = -1;
@@ -38,9 +38,8 @@ struct RowIndices {
 };
 
 template <RowSource S>
-__device__ __forceinline__ RowIndices load_row_indices(const NormRopeParams& p, int64_t token, bool leader) {
+__device__ __forceinline__ RowIndices load_row_indices(const NormRopeParams& p, int64_t token) {
   RowIndices r;
-  if (!leader) return r;
   if constexpr (S == RowSource::KWriter) {
     r.slot = p.out_loc[token];
     r.position = p.positions[token];
@@ -51,13 +50,11 @@ __device__ __forceinline__ RowIndices load_row_indices(const NormRopeParams& p, 
   return r;
 }
 
-// Resolves a row from its loaded indices on the first lane of the row's lanes (an aligned group of
-// `width` lanes named by `mask`: the warp, or 8 lanes of an indexer row; a prefill row's slot load
-// from out_loc happens here) and shares the result; returns whether the row is written.
+// Resolves a row from its loaded indices (a prefill row's slot load from out_loc happens here); returns
+// whether the row is written. Row-uniform.
 template <RowSource S>
-__device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t token, const RowIndices& r, int lane,
-                                            unsigned mask, int width, RowTarget& t) {
-  const bool leader = lane % width == 0;
+__device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t token, const RowIndices& r,
+                                            RowTarget& t) {
   long long slot = r.slot, position = r.position;
   if constexpr (S != RowSource::KWriter) {
     const bool decode = S == RowSource::CompressDecode;
@@ -66,14 +63,13 @@ __device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t tok
     position = pick.position;
     if (!pick.take) {
       slot = -1;
-    } else if (!decode && leader) {
+    } else if (!decode) {
       slot = p.out_loc[pick.out_loc_index];
     }
   }
-  const int take = leader && p.cache.valid(slot) && position_in_table(position, p.max_pos);
-  t.slot = __shfl_sync(mask, slot, 0, width);
-  t.position = __shfl_sync(mask, position, 0, width);
-  return __shfl_sync(mask, take, 0, width) != 0;
+  t.slot = slot;
+  t.position = position;
+  return p.cache.valid(slot) && position_in_table(position, p.max_pos);
 }
 
 // The K writer and the prefill compress writer store every row but padding, so their row loads go
@@ -98,18 +94,17 @@ __device__ __forceinline__ const void* lane_input(const NormRopeParams& p, int64
 }
 
 // Loads this lane's N input values (from dim `first`, not yet widened) and their weights, and
-// resolves the row (its lanes: `mask`, `width`), issuing the loads before or after the index loads as
+// resolves the row, issuing the loads before or after the index loads as
 // loads_rows_ahead(S) says. Returns whether the row is written.
 template <RowSource S, bool KvFp32, int N>
-__device__ __forceinline__ bool load_and_resolve_row(const NormRopeParams& p, int64_t token, int lane,
-                                                     unsigned mask, int width, int first,
+__device__ __forceinline__ bool load_and_resolve_row(const NormRopeParams& p, int64_t token, int first,
                                                      RawElements<N, KvFp32>& raw, float* w, RowTarget& t) {
   if constexpr (loads_rows_ahead(S)) {
     load_raw(lane_input<KvFp32>(p, token, first), raw);
     load_weight<N>(p, first, w);
   }
-  const RowIndices indices = load_row_indices<S>(p, token, lane % width == 0);
-  if (!resolve_row<S>(p, token, indices, lane, mask, width, t)) return false;
+  const RowIndices indices = load_row_indices<S>(p, token);
+  if (!resolve_row<S>(p, token, indices, t)) return false;
   if constexpr (!loads_rows_ahead(S)) {
     load_raw(lane_input<KvFp32>(p, token, first), raw);
     load_weight<N>(p, first, w);
@@ -154,7 +149,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel
   RawElements<kLaneDims, KvFp32> row;
   float w[kLaneDims];
   RowTarget t;
-  if (!load_and_resolve_row<S, KvFp32, kLaneDims>(p, token, lane, kFullMask, 32, lane * kLaneDims, row, w, t)) {
+  if (!load_and_resolve_row<S, KvFp32, kLaneDims>(p, token, lane * kLaneDims, row, w, t)) {
     return;
   }
   pdl_launch_dependents();
@@ -180,7 +175,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
   RawElements<D, KvFp32> raw;
   float w[D], f[D];
   RowTarget t;
-  if (!load_and_resolve_row<S, KvFp32, D>(p, token, lane, mask, kIndexerGroupLanes, sub * D, raw, w, t)) return;
+  if (!load_and_resolve_row<S, KvFp32, D>(p, token, sub * D, raw, w, t)) return;
   const bool rope_lane = sub >= kRopeFirstSub;
   if (rope_lane) load_widen<D, true>(p.freqs + t.position * kRopeDim + (sub - kRopeFirstSub) * D, f);
   pdl_launch_dependents();
