@@ -1,8 +1,8 @@
-// CUDA kernels of compress_forward. c4: two lanes per 4 channels of an entry (D/2 threads), each with 4
-// of the 8 window slots in registers, merged by a shuffle. c128: a block per (rows, 32-channel chunk), so
-// that one window's 512 KiB of ring rows is read by 16 blocks on 16 SMs; its 256 threads pool 4 slots each
-// (8 lanes x 4 channels cover a slot's chunk), merged with max-rescaled reductions in a fixed order.
-// Prefill writes run in a second launch.
+// CUDA kernels of compress_forward. c4: one thread per 4 channels of an entry (D/4 threads), all 8
+// window slots in registers. c128: a block per (rows, 32-channel chunk), so that one window's 512 KiB
+// of ring rows is read by 16 blocks on 16 SMs; its 256 threads pool 4 slots each (8 lanes x 4
+// channels cover a slot's chunk), merged with max-rescaled reductions in a fixed order. Prefill
+// writes run in a second launch.
 #include "forward_launch.h"
 #include "dsv4/launch.cuh"
 #include "dsv4/quant.cuh"
@@ -11,8 +11,7 @@ namespace dsv4 {
 
 namespace {
 
-constexpr int kC4Threads = 256;
-constexpr int kC4HalfSlots = 4;  // window slots per lane: half of the 8
+constexpr int kC4Threads = 128;
 constexpr int kC128Threads = 256;
 constexpr int kC128Chunk = 32;                                    // channels per block
 constexpr int kC128LanesPerSlot = kC128Chunk / 4;                 // 8 lanes x 4 channels
@@ -162,60 +161,31 @@ __device__ __forceinline__ SoftmaxPartial softmax_partial(const float* s, const 
   return r;
 }
 
-// The two partials merged: (max, Σ l·exp(m − max), Σ a·exp(m − max)). Symmetric in its operands, bit
-// for bit (max and fp32 addition are commutative), so both lanes of a shuffle pair hold the same result.
-__device__ __forceinline__ SoftmaxPartial merge_two(const SoftmaxPartial& x, const SoftmaxPartial& y) {
-  const float m = x.m > y.m ? x.m : y.m;
-  if (m == __int_as_float(0xFF800000)) return SoftmaxPartial{m, 0.f, 0.f};  // pad only
-  const float ex = expf(x.m - m), ey = expf(y.m - m);  // a pad-only partial (m = -inf, l = a = 0) adds 0
-  return SoftmaxPartial{m, x.l * ex + y.l * ey, x.a * ex + y.a * ey};
+// Σ v·exp(s − m) / Σ exp(s − m) over N slots for one channel (0 if all are pad).
+template <int N>
+__device__ __forceinline__ float softmax_pool(const float* s, const float* v) {
+  const SoftmaxPartial r = softmax_partial<N>(s, v);
+  return r.l == 0.f ? 0.f : r.a / r.l;
 }
 
-// c4: a row's D/4 channel groups of 4 are each pooled by two lanes of one warp: lane l < 16 takes window
-// slots 0..3 (the previous chunk), lane l + 16 slots 4..7, for channel group 16·(warp of the row) + l; the
-// halves are merged by one shuffle. Pooling all 8 slots in one thread made an emitting decode row a chain
-// of ~900 instructions on one warp per scheduler.
-struct C4Lane {
-  int64_t row;  // kC4Threads / (D / 2) rows per block
-  int64_t c;    // first channel of the group
-  int half;     // window slots [4·half, 4·half + 4); input parts {2·half, 2·half + 1} for the ring write
-};
-
-__device__ __forceinline__ C4Lane c4_lane(int64_t D) {
-  const int threads_per_row = int(D / 2);  // D / 4 groups x 2 halves: whole warps (D is 128 or 512)
-  const int t = int(threadIdx.x) % threads_per_row;
-  const int64_t row = int64_t(blockIdx.x) * (kC4Threads / threads_per_row) + int(threadIdx.x) / threads_per_row;
-  return C4Lane{row, 4 * int64_t((t / 32) * 16 + t % 16), (t / 16) % 2};
-}
-
-// c4: this lane's half of the 8-slot window for channels [c, c+4), merged with the other half's lane
-// (lane ^ 16). Both lanes of the pair must call it; both return the pooled values.
+// c4: the 8-slot window for channels [c, c+4).
 template <bool InBf16, bool StBf16, bool Vec>
-__device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c, int half) {
+__device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c) {
+  constexpr int kWindow = 8;
   const int64_t pages = p.state_rows / 4;
-  SlotLoads<InBf16, StBf16> l[kC4HalfSlots];
+  SlotLoads<InBf16, StBf16> l[kWindow];
 #pragma unroll
-  for (int i = 0; i < kC4HalfSlots; ++i) {
-    l[i] = issue_slot<4, InBf16, StBf16, Vec>(p, w, half * kC4HalfSlots + i, c, pages);
-  }
-  float s[4][kC4HalfSlots], v[4][kC4HalfSlots];
+  for (int k = 0; k < kWindow; ++k) l[k] = issue_slot<4, InBf16, StBf16, Vec>(p, w, k, c, pages);
+  float s[4][kWindow], v[4][kWindow];
 #pragma unroll
-  for (int i = 0; i < kC4HalfSlots; ++i) {
+  for (int k = 0; k < kWindow; ++k) {
     float4 value, score;
-    l[i].resolve(value, score);
-    s[0][i] = score.x; s[1][i] = score.y; s[2][i] = score.z; s[3][i] = score.w;
-    v[0][i] = value.x; v[1][i] = value.y; v[2][i] = value.z; v[3][i] = value.w;
+    l[k].resolve(value, score);
+    s[0][k] = score.x; s[1][k] = score.y; s[2][k] = score.z; s[3][k] = score.w;
+    v[0][k] = value.x; v[1][k] = value.y; v[2][k] = value.z; v[3][k] = value.w;
   }
-  float out[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const SoftmaxPartial own = softmax_partial<kC4HalfSlots>(s[j], v[j]);
-    const SoftmaxPartial other{__shfl_xor_sync(0xFFFFFFFFu, own.m, 16), __shfl_xor_sync(0xFFFFFFFFu, own.l, 16),
-                               __shfl_xor_sync(0xFFFFFFFFu, own.a, 16)};
-    const SoftmaxPartial r = merge_two(own, other);
-    out[j] = r.l == 0.f ? 0.f : r.a / r.l;
-  }
-  return make_float4(out[0], out[1], out[2], out[3]);
+  return make_float4(softmax_pool<kWindow>(s[0], v[0]), softmax_pool<kWindow>(s[1], v[1]),
+                     softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
 }
 
 // Partial (max, Σ exp(s − max), Σ v·exp(s − max)) per slice and channel, and after the first merge
@@ -299,45 +269,47 @@ __device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t
 
 // ---- c4 ----
 
-// Decode: one request per D/2 threads (c4_lane); pools on boundary rows, writes the input row on every row.
+// Decode: one request per D/4 threads; pools on boundary rows, writes the input row on every row.
 template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC4Threads) c4_decode_kernel(ForwardParams p) {
   const int64_t D = p.head_dim;
-  const C4Lane t = c4_lane(D);
-  const int64_t b = t.row;
+  const int threads_per_row = int(D / 4);
+  const int64_t b = int64_t(blockIdx.x) * (kC4Threads / threads_per_row) + threadIdx.x / threads_per_row;
+  const int64_t c = 4 * int64_t(threadIdx.x % threads_per_row);
   pdl_wait_dependencies();
-  if (b >= p.plan_rows) return;  // whole warps
+  if (b >= p.plan_rows) return;
   const DecodeEntry e = load_decode_entry(p.plan + b * kPlanRowBytes);
-  float4 row[2];  // input parts 2·half and 2·half + 1: (kv_ov, kv) or (s_ov, s)
+  float4 row[4];  // kv_ov, kv, s_ov, s of the input row
 #pragma unroll
-  for (int i = 0; i < 2; ++i) row[i] = load4<InBf16, Vec>(p.input, b * p.input_stride + (2 * t.half + i) * D + t.c);
+  for (int part = 0; part < 4; ++part) row[part] = load4<InBf16, Vec>(p.input, b * p.input_stride + part * D + c);
   // The write goes to the ring row of p, which this window never reads (it takes p from the
   // input), so it may precede the pooling; that frees the row's registers first.
   if (e.seq_len != kInvalidPlanWord && writable_state_row(e.write_loc, p.state_rows, 4)) {
     const int64_t base = int64_t(e.write_loc) * 4 * D;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) store4<StBf16, Vec>(p.state, base + (2 * t.half + i) * D + t.c, row[i]);
+    for (int part = 0; part < 4; ++part) store4<StBf16, Vec>(p.state, base + part * D + c, row[part]);
   }
   const PoolWindow w = decode_window(e, b, 4);
   float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (w.emits) out = pool_c4<InBf16, StBf16, Vec>(p, w, t.c, t.half);  // warp-uniform
+  if (w.emits) out = pool_c4<InBf16, StBf16, Vec>(p, w, c);
   pdl_launch_dependents();
-  if (t.half == 0) store4<InBf16, Vec>(p.out, b * D + t.c, out);
+  store4<InBf16, Vec>(p.out, b * D + c, out);
 }
 
-// Prefill: one CompressPlan row per D/2 threads (c4_lane); invalid rows give zeros.
+// Prefill: one CompressPlan row per D/4 threads; invalid rows give zeros.
 template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC4Threads) c4_prefill_kernel(ForwardParams p) {
   const int64_t D = p.head_dim;
-  const C4Lane t = c4_lane(D);
-  const int64_t k = t.row;
+  const int threads_per_row = int(D / 4);
+  const int64_t k = int64_t(blockIdx.x) * (kC4Threads / threads_per_row) + threadIdx.x / threads_per_row;
+  const int64_t c = 4 * int64_t(threadIdx.x % threads_per_row);
   pdl_wait_dependencies();
-  if (k >= p.plan_rows) return;  // whole warps
+  if (k >= p.plan_rows) return;
   const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
   float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (w.emits) out = pool_c4<InBf16, StBf16, Vec>(p, w, t.c, t.half);  // warp-uniform
+  if (w.emits) out = pool_c4<InBf16, StBf16, Vec>(p, w, c);
   pdl_launch_dependents();
-  if (t.half == 0) store4<InBf16, Vec>(p.out, k * D + t.c, out);
+  store4<InBf16, Vec>(p.out, k * D + c, out);
 }
 
 // ---- c128 ----
@@ -445,7 +417,7 @@ int c128_rows_per_block(int64_t rows, bool is_decode) {
 
 template <bool InBf16, bool StBf16, bool Vec>
 void launch(const ForwardParams& p, cudaStream_t stream) {
-  const int64_t c4_rows_per_block = kC4Threads / (p.head_dim / 2);
+  const int64_t c4_rows_per_block = kC4Threads / (p.head_dim / 4);
   if (p.plan_rows > 0) {
     if (p.ratio == 4) {
       const dim3 grid(blocks_for(p.plan_rows, c4_rows_per_block));
