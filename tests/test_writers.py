@@ -308,6 +308,21 @@ def test_k_writer_matches_reference(device, layout, page_size, num_pages, n, kin
         cache.check(f"combo {i}")
 
 
+@pytest.mark.parametrize("kind", ["general", "boundary"])
+@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_k_writer_large_n_matches_reference(layout, kind):
+    """At n >= 4096 the CUDA K writer prefetches rows by bulk copies when they are 16-byte aligned (the
+    contiguous and strided combos) and falls back otherwise (odd_stride). 5007 rows leave a partial last warp;
+    invalid slots and positions are spread through the rows."""
+    for i, combo in enumerate(COMBOS):
+        gen = _gen("k-large", layout, kind, i)
+        x, w, eps = _rows(kind, gen, 5007, 512)
+        cache = run_k_writer("cuda", x, w, eps, combo, 64, 80, layout, gen, random_fill=i % 2 == 0)
+        cache.check(f"combo {i}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("kind", KINDS)

@@ -3,6 +3,7 @@
 // l; indexer rows: four per warp, lane s of a row's 8 owns dims [16s, 16s+16). Every lane of a row
 // resolves its slot and position (from out_loc/positions or the plan entry).
 #include "writers_launch.h"
+#include "dsv4/bulk_copy.cuh"
 #include "dsv4/hadamard.cuh"
 #include "dsv4/launch.cuh"
 #include "dsv4/norm.cuh"
@@ -117,22 +118,29 @@ __device__ __forceinline__ void round_lane_to_bf16(float* v) {
   for (int i = 0; i < kLaneDims; i += 2) round_pair_to_bf16(v[i], v[i + 1]);
 }
 
-// Normalizes, rotates and quantizes one main row (this lane's raw input values and weights) into
-// its slot. V4 quantizes the nope dims of y (rounded to bf16 first on the compress path) and stores
-// the rotated fp32 tail as bf16; V41 / V41_FP4 round y to bf16, rotate the bf16 tail, round again and
-// quantize all 512 values (§1.6).
-template <KVLayout L, bool KvFp32, RowSource S>
-__device__ __forceinline__ void write_main_row(const NormRopeParams& p, const RawElements<kLaneDims, KvFp32>& raw,
-                                               const float* w, const RowTarget& t, int lane, float2* tail) {
-  const float2 cs = load_table_pair(p.freqs + t.position * kRopeDim, lane);
-  float x[kLaneDims], y[kLaneDims];
-  widen_raw<kLaneDims, KvFp32>(raw, x);
+// Normalizes, rotates and quantizes one main row (this lane's input values x and weights w; cs = its
+// RoPE table pair) into `slot`. V4 quantizes the nope dims of y (rounded to bf16 first on the compress
+// path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4 round y to bf16, rotate the bf16 tail,
+// round again and quantize all 512 values (§1.6).
+template <KVLayout L, RowSource S>
+__device__ __forceinline__ void norm_rope_quantize_row(const NormRopeParams& p, const float* x, const float* w,
+                                                       float2 cs, int64_t slot, int lane, float2* tail) {
+  float y[kLaneDims];
   warp_rms_norm<kLaneDims>(x, w, p.eps, y);
   const bool round_first = L != KVLayout::V4 || (S != RowSource::KWriter && lane < kRopeFirstLane);
   if (round_first) round_lane_to_bf16(y);
   // V4 stores the rotated fp32 tail as bf16 itself; V41 / V41_FP4 round it here.
   rotate_tail_across_warp<L != KVLayout::V4>(y, cs, lane, tail);
-  quantize_main_lane<L, L != KVLayout::V4>(y, lane, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
+  quantize_main_lane<L, L != KVLayout::V4>(y, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
+}
+
+template <KVLayout L, bool KvFp32, RowSource S>
+__device__ __forceinline__ void write_main_row(const NormRopeParams& p, const RawElements<kLaneDims, KvFp32>& raw,
+                                               const float* w, const RowTarget& t, int lane, float2* tail) {
+  const float2 cs = load_table_pair(p.freqs + t.position * kRopeDim, lane);
+  float x[kLaneDims];
+  widen_raw<kLaneDims, KvFp32>(raw, x);
+  norm_rope_quantize_row<L, S>(p, x, w, cs, t.slot, lane, tail);
 }
 
 // K writer (S == KWriter) and compress main writer, one row per warp. The bound of 10 blocks per SM
@@ -154,6 +162,101 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel
   }
   pdl_launch_dependents();
   write_main_row<L, KvFp32, S>(p, row, w, t, lane, tails[threadIdx.x >> 5]);
+}
+
+// ---- K writer at large N: rows prefetched by bulk copies ----
+//
+// At large N the one-row-per-warp kernel waits on its row loads for about 40 % of its cycles: a warp has
+// one row in flight, and the registers cap the warps per SM. Here a warp takes kPipelineRows consecutive
+// rows and keeps kPipelineStages of them in flight through shared memory: its first lane issues one bulk
+// copy per row (no registers held, one instruction), refilling a stage as soon as the warp has read it.
+// The rows' slots and positions are loaded once (lane j: row j), and each row's RoPE table pair is loaded
+// one row ahead. The weight is widened once per warp. Same per-row arithmetic, so the same bytes.
+constexpr int kPipelineRows = 16;    // rows per warp (lane j < kPipelineRows holds row j's indices)
+constexpr int kPipelineStages = 3;   // rows in flight per warp
+constexpr int64_t kPipelineMinRows = 4096;
+
+template <bool KvFp32>
+constexpr uint32_t pipeline_row_bytes() {
+  return uint32_t(kMainDim) * (KvFp32 ? 4u : 2u);
+}
+
+// This lane's kLaneDims input values of a row held in shared memory, as loaded.
+template <bool KvFp32>
+__device__ __forceinline__ RawElements<kLaneDims, KvFp32> read_lane_from_shared(const uint8_t* row, int lane) {
+  RawElements<kLaneDims, KvFp32> raw;
+  const uint4* src = reinterpret_cast<const uint4*>(row) + lane * RawElements<kLaneDims, KvFp32>::kVectors;
+#pragma unroll
+  for (int k = 0; k < RawElements<kLaneDims, KvFp32>::kVectors; ++k) raw.v[k] = src[k];
+  return raw;
+}
+
+template <KVLayout L, bool KvFp32>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_kernel(NormRopeParams p) {
+  constexpr uint32_t kRowBytes = pipeline_row_bytes<KvFp32>();
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  __shared__ __align__(128) uint8_t rows[kWarpsPerBlock][kPipelineStages][kRowBytes];
+  __shared__ __align__(8) uint64_t arrived[kWarpsPerBlock][kPipelineStages];   // the stage's row has landed
+  __shared__ __align__(8) uint64_t released[kWarpsPerBlock][kPipelineStages];  // every lane has read it
+  __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t first = (int64_t(blockIdx.x) * kWarpsPerBlock + warp) * kPipelineRows;
+  pdl_wait_dependencies();
+  if (first >= p.n) return;  // the whole warp
+  const int count = int(p.n - first < kPipelineRows ? p.n - first : kPipelineRows);
+  constexpr size_t kElem = KvFp32 ? 4 : 2;
+  const char* kv = static_cast<const char*>(p.kv.data);
+  // Lane 0: row i of this warp into stage i % kPipelineStages.
+  auto fetch = [&](int i) {
+    uint64_t* bar = &arrived[warp][i % kPipelineStages];
+    mbarrier_arrive_expect_tx(bar, kRowBytes);
+    bulk_copy_to_shared(rows[warp][i % kPipelineStages], kv + (first + i) * p.kv.row_stride * kElem, kRowBytes, bar);
+  };
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < kPipelineStages; ++s) {
+      mbarrier_init(&arrived[warp][s], 1);
+      mbarrier_init(&released[warp][s], 32);
+    }
+    fence_mbarrier_init();
+    for (int i = 0; i < count && i < kPipelineStages; ++i) fetch(i);
+  }
+  __syncwarp();
+  // Lane j: row j's slot (-1 when the row is skipped) and position; both fit int32 (host check).
+  int32_t slot_j = -1, position_j = 0;
+  if (lane < count) {
+    const int64_t slot = p.out_loc[first + lane], position = p.positions[first + lane];
+    if (p.cache.valid(slot) && position_in_table(position, p.max_pos)) {
+      slot_j = int32_t(slot);
+      position_j = int32_t(position);
+    }
+  }
+  float w[kLaneDims];
+  load_weight<kLaneDims>(p, lane * kLaneDims, w);
+  pdl_launch_dependents();
+  auto table_pair = [&](int i) {
+    const int32_t slot = __shfl_sync(kAll, slot_j, i), position = __shfl_sync(kAll, position_j, i);
+    return slot >= 0 ? load_table_pair(p.freqs + int64_t(position) * kRopeDim, lane) : make_float2(0.f, 0.f);
+  };
+  float2 cs_next = table_pair(0);
+  for (int i = 0; i < count; ++i) {
+    const int stage = i % kPipelineStages;
+    const int32_t slot = __shfl_sync(kAll, slot_j, i);
+    const float2 cs = cs_next;
+    if (i + 1 < count) cs_next = table_pair(i + 1);
+    mbarrier_wait(&arrived[warp][stage], uint32_t(i / kPipelineStages) & 1u);
+    const RawElements<kLaneDims, KvFp32> raw = read_lane_from_shared<KvFp32>(rows[warp][stage], lane);
+    // The refill of this stage waits until every lane's reads of it are done (the arrivals release them).
+    mbarrier_arrive(&released[warp][stage]);
+    if (lane == 0 && i + kPipelineStages < count) {
+      mbarrier_wait(&released[warp][stage], uint32_t(i / kPipelineStages) & 1u);
+      fetch(i + kPipelineStages);
+    }
+    if (slot < 0) continue;  // warp-uniform
+    float x[kLaneDims];
+    widen_raw<kLaneDims, KvFp32>(raw, x);
+    norm_rope_quantize_row<L, RowSource::KWriter>(p, x, w, cs, slot, lane, tails[warp]);
+  }
 }
 
 // Compress indexer writer: RMSNorm, rotation of dims 64..127 and the Hadamard transform in fp32
@@ -194,9 +297,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
 // One warp per unit of work (a main row, or four indexer rows).
 dim3 token_grid(int64_t warps) { return dim3(unsigned((warps + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
 
+// The pipelined K writer needs 16-byte aligned rows (bulk copies), slots and positions that fit int32,
+// and enough rows to fill its warps.
+bool k_writer_pipelined_fits(const NormRopeParams& p) {
+  const int64_t row_bytes = p.kv.row_stride * (p.kv.type == ElemType::FP32 ? 4 : 2);
+  return p.n >= kPipelineMinRows && reinterpret_cast<uintptr_t>(p.kv.data) % 16 == 0 && row_bytes % 16 == 0 &&
+         p.cache.capacity() <= INT32_MAX && p.max_pos <= INT32_MAX;
+}
+
 template <KVLayout L, RowSource S>
 void launch_main(const NormRopeParams& p, cudaStream_t stream, const char* name) {
   const bool fp32 = p.kv.type == ElemType::FP32;
+  if (S == RowSource::KWriter && k_writer_pipelined_fits(p)) {
+    const dim3 grid(unsigned((p.n + kWarpsPerBlock * kPipelineRows - 1) / (kWarpsPerBlock * kPipelineRows)));
+    launch_kernel(fp32 ? k_writer_pipelined_kernel<L, true> : k_writer_pipelined_kernel<L, false>, grid,
+                  dim3(kWarpsPerBlock * 32), 0, stream, name, p);
+    return;
+  }
   launch_kernel(fp32 ? norm_rope_main_kernel<L, true, S> : norm_rope_main_kernel<L, false, S>,
                 token_grid(p.n), dim3(kWarpsPerBlock * 32), 0, stream, name, p);
 }
