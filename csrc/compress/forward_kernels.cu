@@ -139,16 +139,6 @@ __device__ __forceinline__ SlotLoads<InBf16, StBf16> issue_slot(const ForwardPar
   return l;
 }
 
-// exp(x) for x <= 0, the softmax weights: ex2.approx.ftz of x·log2(e), two instructions against about
-// eight for expf. Its relative error is about 2^-22 where a weight matters (x near 0; the product's
-// rounding adds |x|·2^-24, which only the negligible weights of large |x| see), and weights below 2^-126
-// flush to zero: far inside the 2e-5 of compressors.md §4.5.
-__device__ __forceinline__ float softmax_exp(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(__fmul_rn(x, 1.4426950408889634f)));
-  return r;
-}
-
 // (m, Σ exp(s − m), Σ v·exp(s − m)) over N slots of one channel, m the slots' max; l = a = 0 if all are
 // pad (s = −inf, v = 0). A max pass, then a sum pass: no data-dependent branch per slot.
 struct SoftmaxPartial {
@@ -164,7 +154,7 @@ __device__ __forceinline__ SoftmaxPartial softmax_partial(const float* s, const 
   if (m == __int_as_float(0xFF800000)) return r;
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    const float e = softmax_exp(s[k] - m);
+    const float e = expf(s[k] - m);
     r.l += e;
     r.a += v[k] * e;
   }
@@ -215,7 +205,7 @@ __device__ __forceinline__ SoftmaxPartial merge_partials(const float (*m)[kC128C
   if (mx == kNegInf) return r;
   for (int s = first; s < first + n; ++s) {
     if (m[s][ch] == kNegInf) continue;
-    const float scale = softmax_exp(m[s][ch] - mx);
+    const float scale = expf(m[s][ch] - mx);
     r.l += l[s][ch] * scale;
     r.a += a[s][ch] * scale;
   }
