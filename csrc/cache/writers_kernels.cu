@@ -233,7 +233,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
   }
   float w[kLaneDims];
   load_weight<kLaneDims>(p, lane * kLaneDims, w);
-  pdl_launch_dependents();
   auto table_pair = [&](int i) {
     const int32_t slot = __shfl_sync(kAll, slot_j, i), position = __shfl_sync(kAll, position_j, i);
     return slot >= 0 ? load_table_pair(p.freqs + int64_t(position) * kRopeDim, lane) : make_float2(0.f, 0.f);
@@ -257,6 +256,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     widen_raw<kLaneDims, KvFp32>(raw, x);
     norm_rope_quantize_row<L, RowSource::KWriter>(p, x, w, cs, slot, lane, tails[warp]);
   }
+  pdl_launch_dependents();  // after the warp's last global read
 }
 
 // Compress indexer writer: RMSNorm, rotation of dims 64..127 and the Hadamard transform in fp32
