@@ -14,20 +14,34 @@ ULPS = 64
 BLOCK = 16
 
 
+def blocks_with_head(values: torch.Tensor, head: torch.Tensor, block: int) -> torch.Tensor:
+    """values [S, V] (per scale) cut into blocks of block - 1, each led by head[s] (the block's amax), zero-padded:
+    [-1, block]."""
+    per_block = block - 1
+    values = torch.nn.functional.pad(values, (0, -values.shape[1] % per_block))
+    blocks = values.view(values.shape[0], -1, per_block)
+    return torch.cat([head[:, None, None].expand(-1, blocks.shape[1], 1), blocks], 2).reshape(-1, block)
+
+
+def ulps_around(products: torch.Tensor, shift: int) -> torch.Tensor:
+    """[P, 2 * ULPS + 1]: the values within +-ULPS ulps of each product, in fp32 (shift 0) or bf16 (shift 16) ulps."""
+    offsets = torch.arange(-ULPS, ULPS + 1, dtype=torch.int32)
+    bits = (products.view(torch.int32)[:, None] >> shift) + offsets[None, :]
+    return (bits << shift).view(torch.float32)
+
+
+def with_signs(values: torch.Tensor) -> torch.Tensor:
+    """[S, V] -> [S, 2V]: each value followed by its negation."""
+    return torch.stack([values, -values], 2).reshape(values.shape[0], -1)
+
+
 def sweep_blocks() -> torch.Tensor:
     """Blocks of 16 whose element 0 is 6*S (so the block scale is exactly the e4m3 value S) and
     whose other 15 elements walk +-64 ulps around t*S for every threshold t, both signs."""
     scales = ref.e4m3_decode(torch.arange(1, 0x7F, dtype=torch.uint8))  # every positive finite e4m3
     products = (scales[:, None] * torch.tensor(THRESHOLDS)[None, :]).reshape(-1)  # exact in fp32
-    offsets = torch.arange(-ULPS, ULPS + 1, dtype=torch.int32)
-    values = (products.view(torch.int32)[:, None] + offsets[None, :]).view(torch.float32)
-    values = torch.stack([values, -values], 1).reshape(len(scales), -1)  # per scale
-    per_block = BLOCK - 1
-    width = (values.shape[1] + per_block - 1) // per_block * per_block
-    values = torch.nn.functional.pad(values, (0, width - values.shape[1]))
-    blocks = values.view(len(scales), -1, per_block)
-    head = (6.0 * scales)[:, None, None].expand(-1, blocks.shape[1], 1)
-    return torch.cat([head, blocks], 2).reshape(-1, BLOCK)
+    values = with_signs(ulps_around(products, 0).reshape(len(scales), -1))
+    return blocks_with_head(values, 6.0 * scales, BLOCK)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -54,18 +68,9 @@ def bf16_sweep_rows() -> torch.Tensor:
     others walk every bf16 value within +-64 bf16 ulps of each t*S (clamped to 6*S), both signs."""
     scales = ref.e4m3_decode(torch.arange(1, 0x7F, dtype=torch.uint8))
     products = (scales[:, None] * torch.tensor(THRESHOLDS)[None, :]).reshape(-1)  # bf16 values
-    offsets = torch.arange(-ULPS, ULPS + 1, dtype=torch.int32)
-    bits = (products.view(torch.int32)[:, None] >> 16) + offsets[None, :]
-    values = (bits << 16).view(torch.float32).reshape(len(scales), -1)
-    values = torch.minimum(values, 6.0 * scales[:, None])
-    values = torch.stack([values, -values], 2).reshape(len(scales), -1)
-    per_block = BLOCK - 1
-    width = (values.shape[1] + per_block - 1) // per_block * per_block
-    blocks = torch.nn.functional.pad(values, (0, width - values.shape[1])).view(len(scales), -1, per_block)
-    head = (6.0 * scales)[:, None, None].expand(-1, blocks.shape[1], 1)
-    x = torch.cat([head, blocks], 2).reshape(-1)
-    x = torch.nn.functional.pad(x, (0, -x.numel() % 512))
-    return x.view(-1, 512).to(torch.bfloat16)
+    values = torch.minimum(ulps_around(products, 16).reshape(len(scales), -1), 6.0 * scales[:, None])
+    x = blocks_with_head(with_signs(values), 6.0 * scales, BLOCK).reshape(-1)
+    return torch.nn.functional.pad(x, (0, -x.numel() % 512)).view(-1, 512).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -88,17 +93,10 @@ def indexer_sweep_rows() -> torch.Tensor:
     """fp32 rows of 32-value tiles for the indexer fp4 quantizer: element 0 is 6 * 2^k (the tile multiplier is
     exactly 2^-k) and the others walk +-64 fp32 ulps around t * 2^k for every threshold t, both signs, for
     k in [-20, 20]."""
-    tile = 32
     scales = torch.pow(2.0, torch.arange(-20, 21, dtype=torch.float32))
     products = (scales[:, None] * torch.tensor(THRESHOLDS)[None, :]).reshape(-1)
-    offsets = torch.arange(-ULPS, ULPS + 1, dtype=torch.int32)
-    values = (products.view(torch.int32)[:, None] + offsets[None, :]).view(torch.float32)
-    values = torch.stack([values, -values], 2).reshape(len(scales), -1)
-    per_tile = tile - 1
-    width = (values.shape[1] + per_tile - 1) // per_tile * per_tile
-    tiles = torch.nn.functional.pad(values, (0, width - values.shape[1])).view(len(scales), -1, per_tile)
-    head = (6.0 * scales)[:, None, None].expand(-1, tiles.shape[1], 1)
-    x = torch.cat([head, tiles], 2).reshape(-1)
+    values = with_signs(ulps_around(products, 0).reshape(len(scales), -1))
+    x = blocks_with_head(values, 6.0 * scales, 32).reshape(-1)
     return torch.nn.functional.pad(x, (0, -x.numel() % 128)).view(-1, 128)
 
 
