@@ -1,6 +1,6 @@
 // Hopper bulk copies (the TMA engine's cp.async.bulk) from global into shared memory, completed on an
 // mbarrier: one instruction moves a whole row, and the data arrive without occupying the registers or
-// the issue slots of the warp that waits for them (device only, sm_90).
+// the issue slots of the warp that waits for them (device only, sm_90 and later).
 #pragma once
 
 #include <cuda_runtime.h>
