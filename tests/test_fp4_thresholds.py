@@ -1,7 +1,9 @@
 """The V41_FP4 encoder compares |x| with the exact products t*S instead of dividing (spec §10 allows
 it when a test sweeps every positive e4m3 scale, every threshold and a band of ulps around each
 product). This is that sweep, through fake_quant_compressed_kv on CPU and CUDA, against the
-reference's IEEE division.
+reference's IEEE division. The CUDA writers encode bf16x2 pairs (include/dsv4/e2m1_pairs.cuh): two more
+sweeps, of bf16 values near every V41_FP4 threshold and of fp32 values near every indexer fp4 threshold,
+go through fused_store_cache against the reference quantizers.
 """
 import pytest
 import torch
