@@ -323,20 +323,6 @@ def test_k_writer_large_n_matches_reference(layout, kind):
         cache.check(f"combo {i}")
 
 
-@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
-@pytest.mark.parametrize("variant", INDEXER_VARIANTS)
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_compress_indexer_large_n_matches_reference(variant, is_decode):
-    """At n >= 4096 the CUDA indexer writer prefetches its written rows and their table rows by bulk copies
-    (16-byte aligned combos; odd_stride falls back). 5007 plan rows of every kind leave a partial last warp."""
-    for i, combo in enumerate(COMBOS):
-        gen = _gen("c-large", variant, is_decode, i)
-        x, w, eps = _rows("general", gen, 5007, 128)
-        cache = run_compress("cuda", variant, x, w, eps, combo, 64, 80, is_decode, 4, gen, random_fill=i % 2 == 0)
-        cache.check(f"combo {i}")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("kind", KINDS)

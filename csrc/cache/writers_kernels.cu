@@ -294,132 +294,21 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
   quantize_indexer_lane<F, D>(y, sub, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
 }
 
-// ---- compress indexer writer at large N: rows and their RoPE table rows prefetched by bulk copies ----
-//
-// The K writer's scheme (above) for rows of four: a warp takes 32 consecutive plan rows, resolves them first
-// (lane j: row j's plan entry and slot), and keeps kPipelineStages groups of four rows in flight. Lane 0
-// bulk-copies each written row of a group and its RoPE table row; a skipped row is not read (a decode plan
-// writes one row in `ratio`). Same per-row arithmetic as norm_rope_indexer_kernel, so the same bytes.
-constexpr int kIndexerPipelineRows = 32;  // rows per warp (lane j holds row j's slot and position)
-
-template <IndexerFormat F, bool KvFp32, RowSource S>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, 5) indexer_pipelined_kernel(NormRopeParams p) {
-  constexpr int D = kIndexerGroupLaneDims;  // 16
-  constexpr int kRows = kIndexerRowsPerWarp;  // a group: one row per 8 lanes
-  constexpr uint32_t kRowBytes = uint32_t(kIndexerDim) * (KvFp32 ? 4u : 2u);
-  constexpr uint32_t kTableBytes = uint32_t(kRopeDim) * 4u;
-  constexpr int kRopeFirstSub = (kIndexerDim - kRopeDim) / D;  // 4: lanes 4..7 hold dims 64..127
-  constexpr unsigned kAll = 0xFFFFFFFFu;
-  __shared__ __align__(128) uint8_t rows[kWarpsPerBlock][kPipelineStages][kRows][kRowBytes];
-  __shared__ __align__(128) float tables[kWarpsPerBlock][kPipelineStages][kRows][kRopeDim];
-  __shared__ __align__(8) uint64_t arrived[kWarpsPerBlock][kPipelineStages];   // the group's copies have landed
-  __shared__ __align__(8) uint64_t released[kWarpsPerBlock][kPipelineStages];  // every lane has read them
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane % kIndexerGroupLanes, r = lane / kIndexerGroupLanes;
-  const unsigned mask = ((1u << kIndexerGroupLanes) - 1u) << (lane & ~(kIndexerGroupLanes - 1));
-  const int64_t first = (int64_t(blockIdx.x) * kWarpsPerBlock + warp) * kIndexerPipelineRows;
-  pdl_wait_dependencies();
-  if (first >= p.n) return;  // the whole warp
-  const int count = int(p.n - first < kIndexerPipelineRows ? p.n - first : kIndexerPipelineRows);
-  const int groups = (count + kRows - 1) / kRows;
-  // Lane j: row j's slot (-1 when the row is skipped) and position; both fit int32 (host check).
-  int32_t slot_j = -1, position_j = 0;
-  if (lane < count) {
-    RowTarget t;
-    if (resolve_row<S>(p, first + lane, load_row_indices<S>(p, first + lane), t)) {
-      slot_j = int32_t(t.slot);
-      position_j = int32_t(t.position);
-    }
-  }
-  const unsigned written = __ballot_sync(kAll, slot_j >= 0);
-  if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < kPipelineStages; ++s) {
-      mbarrier_init(&arrived[warp][s], 1);
-      mbarrier_init(&released[warp][s], 32);
-    }
-    fence_mbarrier_init();
-  }
-  __syncwarp();
-  constexpr size_t kElem = KvFp32 ? 4 : 2;
-  const char* kv = static_cast<const char*>(p.kv.data);
-  // Group g into stage g % kPipelineStages. Every lane takes part (the rows' positions are shuffled to lane 0).
-  auto fetch = [&](int g) {
-    int32_t position[kRows];
-#pragma unroll
-    for (int k = 0; k < kRows; ++k) position[k] = __shfl_sync(kAll, position_j, kRows * g + k);
-    if (lane != 0) return;
-    const int stage = g % kPipelineStages;
-    const unsigned group_written = (written >> (kRows * g)) & ((1u << kRows) - 1u);
-    uint64_t* bar = &arrived[warp][stage];
-    mbarrier_arrive_expect_tx(bar, uint32_t(__popc(group_written)) * (kRowBytes + kTableBytes));
-#pragma unroll
-    for (int k = 0; k < kRows; ++k) {
-      if (!(group_written >> k & 1u)) continue;
-      bulk_copy_to_shared(rows[warp][stage][k], kv + (first + kRows * g + k) * p.kv.row_stride * kElem, kRowBytes,
-                          bar);
-      bulk_copy_to_shared(tables[warp][stage][k], p.freqs + int64_t(position[k]) * kRopeDim, kTableBytes, bar);
-    }
-  };
-  for (int g = 0; g < groups && g < kPipelineStages; ++g) fetch(g);
-  float w[D];
-  load_weight<D>(p, sub * D, w);
-  for (int g = 0; g < groups; ++g) {
-    const int stage = g % kPipelineStages;
-    const uint32_t parity = uint32_t(g / kPipelineStages) & 1u;
-    const int32_t slot = __shfl_sync(kAll, slot_j, kRows * g + r);
-    mbarrier_wait(&arrived[warp][stage], parity);
-    RawElements<D, KvFp32> raw;
-    float f[D];
-    if (slot >= 0) {
-      const uint4* src = reinterpret_cast<const uint4*>(rows[warp][stage][r]) + sub * RawElements<D, KvFp32>::kVectors;
-#pragma unroll
-      for (int k = 0; k < RawElements<D, KvFp32>::kVectors; ++k) raw.v[k] = src[k];
-      if (sub >= kRopeFirstSub) {
-        const float4* table = reinterpret_cast<const float4*>(tables[warp][stage][r] + (sub - kRopeFirstSub) * D);
-#pragma unroll
-        for (int k = 0; k < D / 4; ++k) {
-          const float4 q = table[k];
-          f[4 * k] = q.x; f[4 * k + 1] = q.y; f[4 * k + 2] = q.z; f[4 * k + 3] = q.w;
-        }
-      }
-    }
-    // The refill of this stage waits until every lane's reads of it are done (the arrivals release them).
-    mbarrier_arrive(&released[warp][stage]);
-    if (g + kPipelineStages < groups) {
-      if (lane == 0) mbarrier_wait(&released[warp][stage], parity);
-      fetch(g + kPipelineStages);
-    }
-    if (slot < 0) continue;  // uniform over the row's 8 lanes; the next shuffles name the whole warp again
-    float x[D], y[D];
-    widen_raw<D, KvFp32>(raw, x);
-    lanes_rms_norm<kIndexerDim / 32, D / (kIndexerDim / 32)>(x, w, p.eps, mask, y);
-    if (sub >= kRopeFirstSub) {
-#pragma unroll
-      for (int j = 0; j < D; j += 2) rotate_pair(y[j], y[j + 1], f[j], f[j + 1]);
-    }
-    group_hadamard128(y, sub, mask);
-    quantize_indexer_lane<F, D>(y, sub, p.cache.data_row(slot), p.cache.scale_row(slot));
-  }
-  pdl_launch_dependents();  // after the warp's last global read
-}
-
 // One warp per unit of work (a main row, or four indexer rows).
 dim3 token_grid(int64_t warps) { return dim3(unsigned((warps + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
 
-// The pipelined kernels need 16-byte aligned rows and table (bulk copies), slots and positions that fit
-// int32, and enough rows to fill their warps.
-bool pipelined_rows_fit(const NormRopeParams& p) {
+// The pipelined K writer needs 16-byte aligned rows (bulk copies), slots and positions that fit int32,
+// and enough rows to fill its warps.
+bool k_writer_pipelined_fits(const NormRopeParams& p) {
   const int64_t row_bytes = p.kv.row_stride * (p.kv.type == ElemType::FP32 ? 4 : 2);
   return p.n >= kPipelineMinRows && reinterpret_cast<uintptr_t>(p.kv.data) % 16 == 0 && row_bytes % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(p.freqs) % 16 == 0 && p.cache.capacity() <= INT32_MAX &&
-         p.max_pos <= INT32_MAX;
+         p.cache.capacity() <= INT32_MAX && p.max_pos <= INT32_MAX;
 }
 
 template <KVLayout L, RowSource S>
 void launch_main(const NormRopeParams& p, cudaStream_t stream, const char* name) {
   const bool fp32 = p.kv.type == ElemType::FP32;
-  if (S == RowSource::KWriter && pipelined_rows_fit(p)) {
+  if (S == RowSource::KWriter && k_writer_pipelined_fits(p)) {
     const dim3 grid(unsigned((p.n + kWarpsPerBlock * kPipelineRows - 1) / (kWarpsPerBlock * kPipelineRows)));
     launch_kernel(fp32 ? k_writer_pipelined_kernel<L, true> : k_writer_pipelined_kernel<L, false>, grid,
                   dim3(kWarpsPerBlock * 32), 0, stream, name, p);
@@ -441,12 +330,6 @@ void launch_main_layout(KVLayout layout, const NormRopeParams& p, cudaStream_t s
 template <IndexerFormat F, RowSource S>
 void launch_indexer(const NormRopeParams& p, cudaStream_t stream) {
   const bool fp32 = p.kv.type == ElemType::FP32;
-  if (pipelined_rows_fit(p)) {
-    const dim3 grid(unsigned((p.n + kWarpsPerBlock * kIndexerPipelineRows - 1) / (kWarpsPerBlock * kIndexerPipelineRows)));
-    launch_kernel(fp32 ? indexer_pipelined_kernel<F, true, S> : indexer_pipelined_kernel<F, false, S>, grid,
-                  dim3(kWarpsPerBlock * 32), 0, stream, "compress_norm_rope_store", p);
-    return;
-  }
   const int64_t warps = (p.n + kIndexerRowsPerWarp - 1) / kIndexerRowsPerWarp;
   launch_kernel(fp32 ? norm_rope_indexer_kernel<F, true, S> : norm_rope_indexer_kernel<F, false, S>,
                 token_grid(warps), dim3(kWarpsPerBlock * 32), 0, stream, "compress_norm_rope_store", p);
