@@ -4,7 +4,7 @@
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
         python3 -m benchmarks.ncu_cases CASE [SIZE]
 
-CASE: kwriter (V41, 2^20 tokens), c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests),
+CASE: kwriter / kwriter_fp4 (V41 / V41_FP4, 2^20 tokens), indexer_fp4 (compress writer, 2^20 prefill rows), c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests),
 c4p / c128p (prefill of 65536 tokens from scratch), plan (plan_compress_prefill, c4 paged, 64 requests x 4
 drafts); SIZE replaces the row / request count.
 Two warm-up calls precede the profiled one.
@@ -14,7 +14,7 @@ import sys
 import torch
 
 import sgl_dsv4_kernels as dsv4
-from sgl_dsv4_kernels import KVLayout
+from sgl_dsv4_kernels import IndexerFormat, KVLayout
 from benchmarks import bench_low_ratio as lr, bench_writers as wr, bench_compress as bc
 
 table = dsv4.precompute_rope_table(64, 65536, 65536, 160000.0, 16.0, 32.0, 1.0).cuda()
@@ -22,11 +22,10 @@ case = sys.argv[1]
 size = int(sys.argv[2]) if len(sys.argv) > 2 else None  # rows / batch size; each case has a default
 
 
-def k_writer(n):
-    fmt = KVLayout.V41
+def writer(op, fmt, n):
     cache = wr._cache(fmt, n)
-    a = wr._inputs("k_writer", fmt, torch.arange(n, device="cuda"), table)
-    return lambda: wr._ours("k_writer", fmt)(a, cache)
+    a = wr._inputs(op, fmt, torch.arange(n, device="cuda"), table)
+    return lambda: wr._ours(op, fmt)(a, cache)
 
 
 def low(op, n):
@@ -78,7 +77,9 @@ def planner(bs):
 
 
 fn = {
-    "kwriter": lambda: k_writer(size or 1 << 20),
+    "kwriter": lambda: writer("k_writer", KVLayout.V41, size or 1 << 20),
+    "kwriter_fp4": lambda: writer("k_writer", KVLayout.V41_FP4, size or 1 << 20),
+    "indexer_fp4": lambda: writer("compress", IndexerFormat.FP4, size or 1 << 20),
     "c1": lambda: low("c1", size or 64),
     "c2": lambda: low("c2", size or 64),
     "c4": lambda: compress(4, size or 64),

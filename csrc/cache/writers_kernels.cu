@@ -267,6 +267,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
 template <IndexerFormat F, bool KvFp32, RowSource S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(NormRopeParams p) {
   constexpr int D = kIndexerGroupLaneDims;  // 16
+  __shared__ __align__(16) float hadamard_rows[kWarpsPerBlock * kIndexerRowsPerWarp][kHadamardRowFloats];
   const int lane = threadIdx.x & 31;
   const int sub = lane % kIndexerGroupLanes;
   const unsigned mask = ((1u << kIndexerGroupLanes) - 1u) << (lane & ~(kIndexerGroupLanes - 1));
@@ -290,7 +291,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
 #pragma unroll
     for (int j = 0; j < D; j += 2) rotate_pair(y[j], y[j + 1], f[j], f[j + 1]);
   }
-  group_hadamard128(y, sub, mask);
+  group_hadamard128(y, sub, mask, hadamard_rows[threadIdx.x / kIndexerGroupLanes]);
   quantize_indexer_lane<F, D>(y, sub, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
 }
 

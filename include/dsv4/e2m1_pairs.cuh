@@ -39,6 +39,13 @@ __device__ __forceinline__ uint32_t bf16x2_gt_mask(uint32_t a, uint32_t b) {
   return d;
 }
 
+// Per 16-bit half: a * b rounded to bf16.
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // Bitwise mask ? a : b (one LOP3).
 __device__ __forceinline__ uint32_t select_bits(uint32_t mask, uint32_t a, uint32_t b) {
   return (mask & a) | (~mask & b);
@@ -49,10 +56,14 @@ __device__ __forceinline__ uint32_t select_bits(uint32_t mask, uint32_t a, uint3
 struct E2m1Bf16PairEncoder {
   uint32_t t[7];  // t_i * S as bf16, in both halves
 
+  // scale: the tile's e4m3 scale S. The products t_i * S are formed by packed bf16 multiplies, which
+  // are exact here (at most 7 significant bits, in [2^-11, 2240]).
   __device__ explicit E2m1Bf16PairEncoder(float scale) {
-    const float unit[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    constexpr uint32_t kUnits[7] = {0x3E803E80u, 0x3F403F40u, 0x3FA03FA0u, 0x3FE03FE0u,   // 0.25 0.75 1.25 1.75
+                                    0x40204020u, 0x40604060u, 0x40A040A0u};               // 2.5 3.5 5.0
+    const uint32_t s = pack_bf16x2_bits(scale, scale);
 #pragma unroll
-    for (int i = 0; i < 7; ++i) t[i] = pack_bf16x2_bits(unit[i] * scale, unit[i] * scale);
+    for (int i = 0; i < 7; ++i) t[i] = bf16x2_mul(s, kUnits[i]);
   }
 
   // The codes of lo (bits 0..3) and hi (bits 4..7); the bits above 7 are unspecified.
@@ -120,7 +131,7 @@ __device__ __forceinline__ void encode_e2m1_pairs(const PairEncoder& encoder, co
 template <int N>
 __device__ __forceinline__ void fake_quant_compressed_bf16_values(float* x, float tile_amax) {
   static_assert(N % 2 == 0, "whole pairs");
-  const float scale = e4m3_decode(v41_fp4_scale_byte(tile_amax));
+  const float scale = e4m3_decode_finite(v41_fp4_scale_byte(tile_amax));
   const E2m1Bf16PairEncoder encoder(scale);
 #pragma unroll
   for (int k = 0; k < N / 2; ++k) {

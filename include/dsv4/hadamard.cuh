@@ -33,34 +33,74 @@ inline void hadamard128(float* v) {
 #if defined(__CUDACC__)
 
 // Group version: the 8 lanes of `mask` (an aligned group) hold one row, lane `sub` its v[16 sub .. 16 sub + 15].
-// Stages h = 1..8 stay inside the lane; stage h = 16m (m = 1, 2, 4) pairs lane sub with lane sub ^ m: the
-// lane with bit m clear holds v_i and keeps v_i + v_{i+h}, its partner holds v_{i+h} and keeps
-// v_i - v_{i+h}. The butterflies of a stage are independent, so this is the host's order. Every lane of
-// the group must call this.
-__device__ __forceinline__ void group_hadamard128(float* v, int sub, unsigned mask) {
-  constexpr int D = kIndexerGroupLaneDims;
+// Stages h = 1..8 stay inside the lane. For h = 16, 32, 64 the row goes through `row` (shared memory,
+// kHadamardRowFloats floats, 16-byte aligned, private to the group) and comes back transposed: lane `sub`
+// then holds v[16k + 2 sub + e] (k = 0..7, e = 0, 1), so those stages pair k with k ^ 1, 2, 4 inside the
+// lane too. The multiply by c happens there, and the row goes back to the lane's 16 consecutive values.
+// The butterflies of a stage are independent, so this is the host's order. (Exchanging the last three
+// stages by shuffles instead cost a shuffle, two predicated adds and a move per value and stage: about
+// 200 instructions per warp against about 30 here.) Every lane of the group must call this.
+constexpr int kHadamardRowFloats = kIndexerDim + 16;  // the padding puts a half-warp's two rows on different banks
+
+// Where the row's 16-byte chunk q (v[4q .. 4q + 3]) lives in `row`: the XOR gives the eight lanes that
+// store or load the chunks 4 sub + c (one c) eight different bank quads.
+__device__ __forceinline__ int hadamard_chunk(int q) { return q ^ ((q >> 3) & 3); }
+
+__device__ __forceinline__ void butterfly(float& a, float& b) {
+  const float sum = __fadd_rn(a, b);
+  b = __fsub_rn(a, b);
+  a = sum;
+}
+
+__device__ __forceinline__ void group_hadamard128(float* v, int sub, unsigned mask, float* row) {
+  constexpr int D = kIndexerGroupLaneDims;  // 16
+  static_assert(D == 16 && kIndexerGroupLanes == 8, "the transpose below assumes 8 lanes x 16 values");
 #pragma unroll
   for (int h = 1; h < D; h *= 2) {
 #pragma unroll
     for (int i = 0; i < D; ++i) {
-      if (i & h) continue;
-      const float a = v[i], b = v[i + h];
-      v[i] = __fadd_rn(a, b);
-      v[i + h] = __fsub_rn(a, b);
+      if ((i & h) == 0) butterfly(v[i], v[i + h]);
     }
   }
 #pragma unroll
-  for (int m = 1; m < kIndexerGroupLanes; m *= 2) {
-    const bool upper = (sub & m) != 0;
+  for (int c = 0; c < 4; ++c) {
+    *reinterpret_cast<float4*>(row + 4 * hadamard_chunk(4 * sub + c)) =
+        make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
+  }
+  __syncwarp(mask);
+  // u[2k + e] = v[16k + 2 sub + e]: chunk 4k + sub / 2, floats 2 (sub & 1) and 2 (sub & 1) + 1 of it.
+  float2* pair[D / 2];
+  float u[D];
 #pragma unroll
-    for (int k = 0; k < D; ++k) {
-      const float partner = __shfl_xor_sync(mask, v[k], m);
-      v[k] = upper ? __fsub_rn(partner, v[k]) : __fadd_rn(v[k], partner);
+  for (int k = 0; k < D / 2; ++k) {
+    pair[k] = reinterpret_cast<float2*>(row + 4 * hadamard_chunk(4 * k + sub / 2) + 2 * (sub & 1));
+    const float2 t = *pair[k];
+    u[2 * k] = t.x;
+    u[2 * k + 1] = t.y;
+  }
+#pragma unroll
+  for (int m = 1; m < D / 2; m *= 2) {  // h = 16 m
+#pragma unroll
+    for (int k = 0; k < D / 2; ++k) {
+      if ((k & m) == 0) {
+        butterfly(u[2 * k], u[2 * (k + m)]);
+        butterfly(u[2 * k + 1], u[2 * (k + m) + 1]);
+      }
     }
   }
   const float scale = __uint_as_float(kHadamardScaleBits);
+  __syncwarp(mask);  // every lane has read the row before it is overwritten
 #pragma unroll
-  for (int k = 0; k < D; ++k) v[k] = __fmul_rn(v[k], scale);
+  for (int k = 0; k < D / 2; ++k) *pair[k] = make_float2(__fmul_rn(u[2 * k], scale), __fmul_rn(u[2 * k + 1], scale));
+  __syncwarp(mask);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float4 t = *reinterpret_cast<const float4*>(row + 4 * hadamard_chunk(4 * sub + c));
+    v[4 * c] = t.x;
+    v[4 * c + 1] = t.y;
+    v[4 * c + 2] = t.z;
+    v[4 * c + 3] = t.w;
+  }
 }
 #endif
 

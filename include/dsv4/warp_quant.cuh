@@ -81,9 +81,9 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint
     scale_byte = v41_fp4_scale_byte(amax);
     uint32_t packed[(LaneDims + 7) / 8] = {};  // eight codes per word
     if constexpr (Bf16Values) {
-      encode_e2m1_pairs<LaneDims>(E2m1Bf16PairEncoder(e4m3_decode(scale_byte)), x, packed);
+      encode_e2m1_pairs<LaneDims>(E2m1Bf16PairEncoder(e4m3_decode_finite(scale_byte)), x, packed);
     } else {
-      const E2m1RneThresholds encoder(e4m3_decode(scale_byte));
+      const E2m1RneThresholds encoder(e4m3_decode_finite(scale_byte));
 #pragma unroll
       for (int i = 0; i < LaneDims; ++i) packed[i / 8] |= uint32_t(encoder.encode(x[i])) << (4 * (i % 8));
     }
