@@ -46,6 +46,12 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
+// The e2m1 rounding thresholds t_0..t_6 = 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0 as bf16, in both halves.
+__device__ __forceinline__ constexpr uint32_t e2m1_threshold_pair(int i) {
+  return i == 0 ? 0x3E803E80u : i == 1 ? 0x3F403F40u : i == 2 ? 0x3FA03FA0u : i == 3 ? 0x3FE03FE0u
+       : i == 4 ? 0x40204020u : i == 5 ? 0x40604060u : 0x40A040A0u;
+}
+
 // Bitwise mask ? a : b (one LOP3).
 __device__ __forceinline__ uint32_t select_bits(uint32_t mask, uint32_t a, uint32_t b) {
   return (mask & a) | (~mask & b);
@@ -59,14 +65,12 @@ struct E2m1Bf16PairEncoder {
   // scale: the tile's e4m3 scale S. The products t_i * S are formed by packed bf16 multiplies, which
   // are exact here (at most 7 significant bits, in [2^-11, 2240]).
   __device__ explicit E2m1Bf16PairEncoder(float scale) {
-    constexpr uint32_t kUnits[7] = {0x3E803E80u, 0x3F403F40u, 0x3FA03FA0u, 0x3FE03FE0u,   // 0.25 0.75 1.25 1.75
-                                    0x40204020u, 0x40604060u, 0x40A040A0u};               // 2.5 3.5 5.0
     const uint32_t s = pack_bf16x2_bits(scale, scale);
 #pragma unroll
-    for (int i = 0; i < 7; ++i) t[i] = bf16x2_mul(s, kUnits[i]);
+    for (int i = 0; i < 7; ++i) t[i] = bf16x2_mul(s, e2m1_threshold_pair(i));
   }
 
-  // The codes of lo (bits 0..3) and hi (bits 4..7); the bits above 7 are unspecified.
+  // The codes of lo (bits 0..3) and hi (bits 16..19); the other bits are 0.
   __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const {
     const uint32_t v = pack_bf16x2_bits(lo, hi);
     const uint32_t a = v & 0x7FFF7FFFu;
@@ -80,8 +84,7 @@ struct E2m1Bf16PairEncoder {
     uint32_t code = select_bits(0x00080008u, v >> 12, m4);
     code = select_bits(0x000C000Cu, code, m2);
     code = select_bits(0x000E000Eu, code, m1);
-    // hi's code (bits 16..19) next to lo's.
-    return select_bits(0x0000000Fu, code, code >> 12);
+    return code & 0x000F000Fu;
   }
 };
 
@@ -93,35 +96,38 @@ struct E2m1ThresholdPairEncoder {
   __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const {
     const uint32_t v = __byte_perm(__float_as_uint(lo) + 0xFFFFu, __float_as_uint(hi) + 0xFFFFu, 0x7632);
     const uint32_t a = v & 0x7FFF7FFFu;
-    constexpr uint32_t k025 = 0x3E803E80u, k075 = 0x3F403F40u, k125 = 0x3FA03FA0u, k175 = 0x3FE03FE0u;
-    constexpr uint32_t k250 = 0x40204020u, k350 = 0x40604060u, k500 = 0x40A040A0u;  // bf16 pairs
-    const uint32_t m4 = bf16x2_gt_mask(a, k175);
-    const uint32_t m2 = bf16x2_gt_mask(a, select_bits(m4, k350, k075));
-    const uint32_t last = select_bits(m4, select_bits(m2, k500, k250), select_bits(m2, k125, k025));
+    uint32_t t[7];
+#pragma unroll
+    for (int i = 0; i < 7; ++i) t[i] = e2m1_threshold_pair(i);
+    const uint32_t m4 = bf16x2_gt_mask(a, t[3]);
+    const uint32_t m2 = bf16x2_gt_mask(a, select_bits(m4, t[5], t[1]));
+    const uint32_t last = select_bits(m4, select_bits(m2, t[6], t[4]), select_bits(m2, t[2], t[0]));
     const uint32_t m1 = bf16x2_gt_mask(a, last);
     uint32_t code = select_bits(0x00040004u, m4, m2);
     code = select_bits(0x00060006u, code, m1);
     code = select_bits(0x00080008u, (v >> 12) & (m4 | m2 | m1), code);  // the sign of a nonzero code
-    return select_bits(0x0000000Fu, code, code >> 12);
+    return code & 0x000F000Fu;
   }
 };
 
 // The packed codes of N values (4, or a multiple of 8): value i in nibble i % 8 of words[i / 8]. For
-// N == 4 only the low 16 bits of words[0] are set.
+// N == 4 only the low 16 bits of words[0] are set. A word's 8 values go in the pairs (k, k + 4) (N == 4:
+// (k, k + 2)), so that a pair's codes (bits 0..3 and 16..19) are one shift away from their nibbles k and
+// k + 4: the word is built by shift-adds, with no byte permutes.
 template <int N, class PairEncoder>
 __device__ __forceinline__ void encode_e2m1_pairs(const PairEncoder& encoder, const float* x, uint32_t* words) {
   static_assert(N == 4 || N % 8 == 0, "whole 16- or 32-bit words");
-  uint32_t bytes[N / 2];  // code pair k in bits 0..7
+  if constexpr (N == 4) {
+    const uint32_t codes = (encoder.encode_pair(x[1], x[3]) << 4) + encoder.encode_pair(x[0], x[2]);
+    words[0] = __byte_perm(codes, 0u, 0x4420);  // nibbles 0, 1 and 4, 5 -> 0..3
+  } else {
 #pragma unroll
-  for (int k = 0; k < N / 2; ++k) bytes[k] = encoder.encode_pair(x[2 * k], x[2 * k + 1]);
+    for (int w = 0; w < N / 8; ++w) {
+      const float* v = x + 8 * w;
+      uint32_t word = 0;
 #pragma unroll
-  for (int w = 0; w < (N + 7) / 8; ++w) {
-    const uint32_t low = __byte_perm(bytes[4 * w], bytes[4 * w + 1], 0x0040);  // bytes 0, 1
-    if constexpr (N == 4) {
-      words[w] = low & 0xFFFFu;
-    } else {
-      const uint32_t high = __byte_perm(bytes[4 * w + 2], bytes[4 * w + 3], 0x0040);
-      words[w] = __byte_perm(low, high, 0x5410);
+      for (int k = 3; k >= 0; --k) word = (word << 4) + encoder.encode_pair(v[k], v[k + 4]);
+      words[w] = word;
     }
   }
 }
@@ -137,7 +143,7 @@ __device__ __forceinline__ void fake_quant_compressed_bf16_values(float* x, floa
   for (int k = 0; k < N / 2; ++k) {
     const uint32_t codes = encoder.encode_pair(x[2 * k], x[2 * k + 1]);
     x[2 * k] = e2m1_decode(uint8_t(codes & 0xFu)) * scale;
-    x[2 * k + 1] = e2m1_decode(uint8_t((codes >> 4) & 0xFu)) * scale;
+    x[2 * k + 1] = e2m1_decode(uint8_t(codes >> 16)) * scale;
   }
 }
 

@@ -49,4 +49,46 @@ __device__ __forceinline__ void rotate_tail_across_warp(float* y, float2 cs, int
   }
 }
 
+// A main row held by a half-warp (lane hl holds dims [16 hl, 16 hl + 16) and [256 + 16 hl, ...)):
+// the tail is the second chunk of lanes hl = 12..15, and each lane rotates pairs 2 hl and 2 hl + 1.
+
+// This lane's (cos, sin) entries 4 hl .. 4 hl + 3 of the table row: its two pairs.
+__device__ __forceinline__ float4 load_table_quad(const float* table_row, int hl) {
+  const float* src = table_row + 4 * hl;
+  if (aligned16(src)) return __ldg(reinterpret_cast<const float4*>(src));
+  return make_float4(__ldg(src), __ldg(src + 1), __ldg(src + 2), __ldg(src + 3));
+}
+
+// rotate_tail_across_warp for a half-warp row (`mask`): `tail` holds 32 float2 (16-byte aligned) of
+// shared memory private to the half, y1 the lane's second chunk, cs its load_table_quad. All 16 lanes
+// must call.
+template <bool RoundAfter>
+__device__ __forceinline__ void rotate_tail_across_half(float* y1, float4 cs, int hl, unsigned mask, float2* tail) {
+  constexpr int kFirst = (kV4NopeDim - kMainDim / 2) / kLaneDims;  // 12: lanes 12..15 hold the tail
+  __syncwarp(mask);  // a previous call's reads of `tail` are done
+  if (hl >= kFirst) {
+    float4* dst = reinterpret_cast<float4*>(tail + (hl - kFirst) * (kLaneDims / 2));
+#pragma unroll
+    for (int j = 0; j < kLaneDims; j += 4) dst[j / 4] = make_float4(y1[j], y1[j + 1], y1[j + 2], y1[j + 3]);
+  }
+  __syncwarp(mask);
+  float4 v = reinterpret_cast<float4*>(tail)[hl];
+  rotate_pair(v.x, v.y, cs.x, cs.y);
+  rotate_pair(v.z, v.w, cs.z, cs.w);
+  if (RoundAfter) {
+    round_pair_to_bf16(v.x, v.y);
+    round_pair_to_bf16(v.z, v.w);
+  }
+  reinterpret_cast<float4*>(tail)[hl] = v;
+  __syncwarp(mask);
+  if (hl >= kFirst) {
+    const float4* src = reinterpret_cast<const float4*>(tail + (hl - kFirst) * (kLaneDims / 2));
+#pragma unroll
+    for (int j = 0; j < kLaneDims; j += 4) {
+      const float4 q = src[j / 4];
+      y1[j] = q.x; y1[j + 1] = q.y; y1[j + 2] = q.z; y1[j + 3] = q.w;
+    }
+  }
+}
+
 }  // namespace dsv4
