@@ -218,21 +218,40 @@ __device__ __forceinline__ void norm_rope_quantize_half_row(const NormRopeParams
                                                             float4 cs, int64_t slot, int hl, unsigned mask,
                                                             float2* tail) {
   const float r = half_warp_rms_inverse(x, p.eps, mask);
-#pragma unroll
-  for (int chunk = 0; chunk < 2; ++chunk) {
-    float w[kLaneDims];
-    read_weight_from_shared(weight, hl + 16 * chunk, w);
-    float* y = x + kLaneDims * chunk;
-#pragma unroll
-    for (int j = 0; j < kLaneDims; ++j) y[j] = rms_scale(y[j], r, w[j]);
-    // V41 / V41_FP4 round y to bf16 (then rotate the bf16 tail and round again); V4 rotates fp32.
-    if (L != KVLayout::V4) round_lane_to_bf16(y);
-  }
-  rotate_tail_across_half<L != KVLayout::V4>(x + kLaneDims, cs, hl, mask, tail);
   uint8_t* data = p.cache.data_row(slot);
   uint8_t* scale = p.cache.scale_row(slot);
-  quantize_main_lane<L, L != KVLayout::V4>(x, hl, data, scale);
-  quantize_main_lane<L, L != KVLayout::V4>(x + kLaneDims, hl + 16, data, scale);
+  if constexpr (L == KVLayout::V41_FP4) {
+    // bf16(y) stays packed from its rounding to the encoder (a chunk is one tile).
+    uint32_t pairs[2][kLaneDims / 2];
+#pragma unroll
+    for (int chunk = 0; chunk < 2; ++chunk) {
+      float w[kLaneDims];
+      read_weight_from_shared(weight, hl + 16 * chunk, w);
+      const float* xc = x + kLaneDims * chunk;
+#pragma unroll
+      for (int j = 0; j < kLaneDims / 2; ++j) {
+        const int first = (j / 4) * 8 + j % 4;  // pairs (k, k + 4) of each 8 dims
+        pairs[chunk][j] = pack_bf16x2(rms_scale(xc[first], r, w[first]), rms_scale(xc[first + 4], r, w[first + 4]));
+      }
+    }
+    rotate_packed_tail_across_half(pairs[1], cs, hl, mask, reinterpret_cast<uint32_t*>(tail));
+    quantize_fp4_lane_packed(pairs[0], hl, data, scale);
+    quantize_fp4_lane_packed(pairs[1], hl + 16, data, scale);
+  } else {
+#pragma unroll
+    for (int chunk = 0; chunk < 2; ++chunk) {
+      float w[kLaneDims];
+      read_weight_from_shared(weight, hl + 16 * chunk, w);
+      float* y = x + kLaneDims * chunk;
+#pragma unroll
+      for (int j = 0; j < kLaneDims; ++j) y[j] = rms_scale(y[j], r, w[j]);
+      // V41 rounds y to bf16 (then rotates the bf16 tail and rounds again); V4 rotates fp32.
+      if (L == KVLayout::V41) round_lane_to_bf16(y);
+    }
+    rotate_tail_across_half<L == KVLayout::V41>(x + kLaneDims, cs, hl, mask, tail);
+    quantize_main_lane<L, L == KVLayout::V41>(x, hl, data, scale);
+    quantize_main_lane<L, L == KVLayout::V41>(x + kLaneDims, hl + 16, data, scale);
+  }
 }
 
 template <KVLayout L, bool KvFp32>

@@ -20,12 +20,6 @@
 
 namespace dsv4 {
 
-// (lo, hi) as bf16 bits, lo in bits 0..15: exact for bf16-representable values.
-__device__ __forceinline__ uint32_t pack_bf16x2_bits(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // Per 16-bit half: 0xFFFF where a >= b (a > b), else 0; bf16 compare (false for NaN).
 __device__ __forceinline__ uint32_t bf16x2_ge_mask(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -65,14 +59,16 @@ struct E2m1Bf16PairEncoder {
   // scale: the tile's e4m3 scale S. The products t_i * S are formed by packed bf16 multiplies, which
   // are exact here (at most 7 significant bits, in [2^-11, 2240]).
   __device__ explicit E2m1Bf16PairEncoder(float scale) {
-    const uint32_t s = pack_bf16x2_bits(scale, scale);
+    const uint32_t s = pack_bf16x2(scale, scale);
 #pragma unroll
     for (int i = 0; i < 7; ++i) t[i] = bf16x2_mul(s, e2m1_threshold_pair(i));
   }
 
   // The codes of lo (bits 0..3) and hi (bits 16..19); the other bits are 0.
-  __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const {
-    const uint32_t v = pack_bf16x2_bits(lo, hi);
+  __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const { return encode_packed(pack_bf16x2(lo, hi)); }
+
+  // The same for the pair as bf16 bits (lo in bits 0..15).
+  __device__ __forceinline__ uint32_t encode_packed(uint32_t v) const {
     const uint32_t a = v & 0x7FFF7FFFu;
     // E2m1RneThresholds' search: index >= 4, then >= 6 or >= 2 (>= thresholds), then the last bit (>).
     const uint32_t m4 = bf16x2_ge_mask(a, t[3]);
@@ -110,26 +106,48 @@ struct E2m1ThresholdPairEncoder {
   }
 };
 
-// The packed codes of N values (4, or a multiple of 8): value i in nibble i % 8 of words[i / 8]. For
-// N == 4 only the low 16 bits of words[0] are set. A word's 8 values go in the pairs (k, k + 4) (N == 4:
-// (k, k + 2)), so that a pair's codes (bits 0..3 and 16..19) are one shift away from their nibbles k and
-// k + 4: the word is built by shift-adds, with no byte permutes.
-template <int N, class PairEncoder>
-__device__ __forceinline__ void encode_e2m1_pairs(const PairEncoder& encoder, const float* x, uint32_t* words) {
+// Packing order of the e2m1 words. N values (4, or a multiple of 8) are packed with value i in nibble
+// i % 8 of words[i / 8] (N == 4: the low 16 bits of words[0]). The encoders take the 8 values of a word
+// in the pairs (k, k + 4) (N == 4: (k, k + 2)), so that a pair's codes (bits 0..3 and 16..19) are one
+// shift away from their nibbles k and k + 4: the word is built by shift-adds, with no byte permutes.
+// pair_codes[j] holds the codes of pair j, pairs in the order (0, 4), (1, 5), (2, 6), (3, 7), (8, 12), ...
+template <int N>
+__device__ __forceinline__ void assemble_e2m1_words(const uint32_t* pair_codes, uint32_t* words) {
   static_assert(N == 4 || N % 8 == 0, "whole 16- or 32-bit words");
   if constexpr (N == 4) {
-    const uint32_t codes = (encoder.encode_pair(x[1], x[3]) << 4) + encoder.encode_pair(x[0], x[2]);
-    words[0] = __byte_perm(codes, 0u, 0x4420);  // nibbles 0, 1 and 4, 5 -> 0..3
+    words[0] = __byte_perm((pair_codes[1] << 4) + pair_codes[0], 0u, 0x4420);  // nibbles 0, 1, 4, 5 -> 0..3
   } else {
 #pragma unroll
     for (int w = 0; w < N / 8; ++w) {
-      const float* v = x + 8 * w;
       uint32_t word = 0;
 #pragma unroll
-      for (int k = 3; k >= 0; --k) word = (word << 4) + encoder.encode_pair(v[k], v[k + 4]);
+      for (int k = 3; k >= 0; --k) word = (word << 4) + pair_codes[4 * w + k];
       words[w] = word;
     }
   }
+}
+
+// The packed codes of N fp32 values (packing order above).
+template <int N, class PairEncoder>
+__device__ __forceinline__ void encode_e2m1_pairs(const PairEncoder& encoder, const float* x, uint32_t* words) {
+  constexpr int kHalf = N == 4 ? 2 : 4;  // distance between the two values of a pair
+  uint32_t codes[N / 2];
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) {
+    const int first = (j / kHalf) * 2 * kHalf + j % kHalf;
+    codes[j] = encoder.encode_pair(x[first], x[first + kHalf]);
+  }
+  assemble_e2m1_words<N>(codes, words);
+}
+
+// The same for N bf16 values given as pairs in that order (pairs[j]: the pair's bf16 bits, lo first).
+template <int N>
+__device__ __forceinline__ void encode_e2m1_packed(const E2m1Bf16PairEncoder& encoder, const uint32_t* pairs,
+                                                   uint32_t* words) {
+  uint32_t codes[N / 2];
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) codes[j] = encoder.encode_packed(pairs[j]);
+  assemble_e2m1_words<N>(codes, words);
 }
 
 // fake_quant_compressed_values (quant.cuh) for N bf16-representable values of one tile, two at a time: the

@@ -91,4 +91,51 @@ __device__ __forceinline__ void rotate_tail_across_half(float* y1, float4 cs, in
   }
 }
 
+// rotate_tail_across_half<true> for a tail held as bf16 pairs in the e2m1 encoders' order (p1: the lane's
+// 8 pairs, (k, k + 4) and (8 + k, 12 + k)), so that V41_FP4 keeps its rounded values packed. The tail
+// lanes regroup their pairs into RoPE pairs (2j, 2j + 1) for the exchange (`tail`: 32 words of shared
+// memory private to the half, 16-byte aligned) and back; the rotation is the same fp32 arithmetic on the
+// same bf16 inputs, rounded once per value, so the same bits.
+__device__ __forceinline__ void rotate_packed_tail_across_half(uint32_t* p1, float4 cs, int hl, unsigned mask,
+                                                               uint32_t* tail) {
+  constexpr int kFirst = (kV4NopeDim - kMainDim / 2) / kLaneDims;  // 12
+  constexpr uint32_t kLows = 0x5410, kHighs = 0x7632;  // byte_perm selectors: (a.lo, b.lo), (a.hi, b.hi)
+  __syncwarp(mask);  // a previous call's reads of `tail` are done
+  if (hl >= kFirst) {
+    uint32_t rope[8];  // rope[j]: dims (2j, 2j + 1) of the lane's 16
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      const uint32_t* q = p1 + 4 * g;
+      rope[4 * g] = __byte_perm(q[0], q[1], kLows);
+      rope[4 * g + 1] = __byte_perm(q[2], q[3], kLows);
+      rope[4 * g + 2] = __byte_perm(q[0], q[1], kHighs);
+      rope[4 * g + 3] = __byte_perm(q[2], q[3], kHighs);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(tail + 8 * (hl - kFirst));
+    dst[0] = make_uint4(rope[0], rope[1], rope[2], rope[3]);
+    dst[1] = make_uint4(rope[4], rope[5], rope[6], rope[7]);
+  }
+  __syncwarp(mask);
+  uint2 v = reinterpret_cast<uint2*>(tail)[hl];  // RoPE pairs 2 hl and 2 hl + 1
+  float re0 = __uint_as_float(v.x << 16), im0 = __uint_as_float(v.x & 0xFFFF0000u);
+  float re1 = __uint_as_float(v.y << 16), im1 = __uint_as_float(v.y & 0xFFFF0000u);
+  rotate_pair(re0, im0, cs.x, cs.y);
+  rotate_pair(re1, im1, cs.z, cs.w);
+  reinterpret_cast<uint2*>(tail)[hl] = make_uint2(pack_bf16x2(re0, im0), pack_bf16x2(re1, im1));
+  __syncwarp(mask);
+  if (hl >= kFirst) {
+    const uint4* src = reinterpret_cast<const uint4*>(tail + 8 * (hl - kFirst));
+    const uint4 a = src[0], b = src[1];
+    const uint32_t rope[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      const uint32_t* r = rope + 4 * g;
+      p1[4 * g] = __byte_perm(r[0], r[2], kLows);       // dims 0, 4 of the group
+      p1[4 * g + 1] = __byte_perm(r[0], r[2], kHighs);  // 1, 5
+      p1[4 * g + 2] = __byte_perm(r[1], r[3], kLows);   // 2, 6
+      p1[4 * g + 3] = __byte_perm(r[1], r[3], kHighs);  // 3, 7
+    }
+  }
+}
+
 }  // namespace dsv4
