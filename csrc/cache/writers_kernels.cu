@@ -164,26 +164,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel
   write_main_row<L, KvFp32, S>(p, row, w, t, lane, tails[threadIdx.x >> 5]);
 }
 
-// ---- K writer at large N: rows prefetched by bulk copies, a half-warp per row ----
+// ---- K writer at large N: rows prefetched by bulk copies ----
 //
-// At large N the one-row-per-warp kernel waits on its row loads for about 40 % of its cycles (a warp has
-// one row in flight, and the registers cap the warps per SM), and V41_FP4 is bound by the instructions
-// it issues. Here a warp takes kPipelineRows consecutive rows, two at a time: half h of the warp takes
-// row 2i + h, lane hl of the half the row's dims [16 hl, 16 hl + 16) and [256 + 16 hl, ...) ("virtual
-// lanes" hl and hl + 16 of the one-row-per-warp layout, so the quantizer and its tile reductions are the
-// same, and a tile never spans the halves). The work per row that does not scale with its dims (index
-// shuffles, the norm's reduction and square root, the RoPE exchange, addresses, the pipeline) is
-// issued once per two rows. The rows arrive by bulk copies: the warp keeps pipeline_stages() row pairs in
-// flight through shared memory, its first lane refilling a stage as soon as all 32 lanes have read it.
-// The rows' slots and positions are loaded once (lane j: row j), each row's RoPE table entries one step
-// ahead, and the weight once per block into shared memory. Same per-row arithmetic, so the same bytes.
-constexpr int kPipelineRows = 32;    // rows per warp (lane j holds row j's indices)
-// Row pairs in flight per warp: fp32 rows are twice as long, and 3 of their stages would not fit the
-// 48 KB of static shared memory.
-template <bool KvFp32>
-constexpr int pipeline_stages() {
-  return KvFp32 ? 2 : 3;
-}
+// At large N the one-row-per-warp kernel waits on its row loads for about 40 % of its cycles: a warp has
+// one row in flight, and the registers cap the warps per SM. Here a warp takes kPipelineRows consecutive
+// rows and keeps kPipelineStages of them in flight through shared memory: its first lane issues one bulk
+// copy per row (no registers held, one instruction), refilling a stage as soon as the warp has read it.
+// The rows' slots and positions are loaded once (lane j: row j), and each row's RoPE table pair is loaded
+// one row ahead. The weight is widened once per warp. Same per-row arithmetic, so the same bytes.
+constexpr int kPipelineRows = 16;    // rows per warp (lane j < kPipelineRows holds row j's indices)
+constexpr int kPipelineStages = 3;   // rows in flight per warp
 constexpr int64_t kPipelineMinRows = 4096;
 
 template <bool KvFp32>
@@ -191,7 +181,7 @@ constexpr uint32_t pipeline_row_bytes() {
   return uint32_t(kMainDim) * (KvFp32 ? 4u : 2u);
 }
 
-// This lane's kLaneDims input values of a row held in shared memory (virtual lane `lane`), as loaded.
+// This lane's kLaneDims input values of a row held in shared memory, as loaded.
 template <bool KvFp32>
 __device__ __forceinline__ RawElements<kLaneDims, KvFp32> read_lane_from_shared(const uint8_t* row, int lane) {
   RawElements<kLaneDims, KvFp32> raw;
@@ -201,94 +191,26 @@ __device__ __forceinline__ RawElements<kLaneDims, KvFp32> read_lane_from_shared(
   return raw;
 }
 
-// The weights of virtual lane `lane` (dims [16 lane, 16 lane + 16)) from the block's copy, which holds
-// weight chunk q at xor_swizzled_chunk(q).
-__device__ __forceinline__ void read_weight_from_shared(const float4* weight, int lane, float* w) {
-#pragma unroll
-  for (int c = 0; c < kLaneDims / 4; ++c) {
-    const float4 v = weight[xor_swizzled_chunk(lane * (kLaneDims / 4) + c)];
-    w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
-  }
-}
-
-// Normalizes, rotates and quantizes the row that a half-warp holds (x: the lane's two chunks), as
-// norm_rope_quantize_row does for a warp.
-template <KVLayout L>
-__device__ __forceinline__ void norm_rope_quantize_half_row(const NormRopeParams& p, float* x, const float4* weight,
-                                                            float4 cs, int64_t slot, int hl, unsigned mask,
-                                                            float2* tail) {
-  const float r = half_warp_rms_inverse(x, p.eps, mask);
-  uint8_t* data = p.cache.data_row(slot);
-  uint8_t* scale = p.cache.scale_row(slot);
-  if constexpr (L == KVLayout::V41_FP4) {
-    // bf16(y) stays packed from its rounding to the encoder (a chunk is one tile).
-    uint32_t pairs[2][kLaneDims / 2];
-#pragma unroll
-    for (int chunk = 0; chunk < 2; ++chunk) {
-      float w[kLaneDims];
-      read_weight_from_shared(weight, hl + 16 * chunk, w);
-      const float* xc = x + kLaneDims * chunk;
-#pragma unroll
-      for (int j = 0; j < kLaneDims / 2; ++j) {
-        const int first = (j / 4) * 8 + j % 4;  // pairs (k, k + 4) of each 8 dims
-        pairs[chunk][j] = pack_bf16x2(rms_scale(xc[first], r, w[first]), rms_scale(xc[first + 4], r, w[first + 4]));
-      }
-    }
-    rotate_packed_tail_across_half(pairs[1], cs, hl, mask, reinterpret_cast<uint32_t*>(tail));
-    quantize_fp4_lane_packed(pairs[0], hl, data, scale);
-    quantize_fp4_lane_packed(pairs[1], hl + 16, data, scale);
-  } else {
-#pragma unroll
-    for (int chunk = 0; chunk < 2; ++chunk) {
-      float w[kLaneDims];
-      read_weight_from_shared(weight, hl + 16 * chunk, w);
-      float* y = x + kLaneDims * chunk;
-#pragma unroll
-      for (int j = 0; j < kLaneDims; ++j) y[j] = rms_scale(y[j], r, w[j]);
-      // V41 rounds y to bf16 (then rotates the bf16 tail and rounds again); V4 rotates fp32.
-      if (L == KVLayout::V41) round_lane_to_bf16(y);
-    }
-    rotate_tail_across_half<L == KVLayout::V41>(x + kLaneDims, cs, hl, mask, tail);
-    quantize_main_lane<L, L == KVLayout::V41>(x, hl, data, scale);
-    quantize_main_lane<L, L == KVLayout::V41>(x + kLaneDims, hl + 16, data, scale);
-  }
-}
-
 template <KVLayout L, bool KvFp32>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, 6) k_writer_pipelined_kernel(NormRopeParams p) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_kernel(NormRopeParams p) {
   constexpr uint32_t kRowBytes = pipeline_row_bytes<KvFp32>();
-  constexpr int kPipelineStages = pipeline_stages<KvFp32>();
   constexpr unsigned kAll = 0xFFFFFFFFu;
-  __shared__ __align__(128) uint8_t rows[kWarpsPerBlock][kPipelineStages][2][kRowBytes];
-  __shared__ __align__(8) uint64_t arrived[kWarpsPerBlock][kPipelineStages];   // the stage's rows have landed
-  __shared__ __align__(8) uint64_t released[kWarpsPerBlock][kPipelineStages];  // every lane has read them
-  __shared__ __align__(16) float2 tails[kWarpsPerBlock][2][kRopeDim / 2];
-  __shared__ __align__(16) float4 weight[kMainDim / 4];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = lane >> 4, hl = lane & 15;
-  const unsigned half_mask = 0xFFFFu << (16 * half);
+  __shared__ __align__(128) uint8_t rows[kWarpsPerBlock][kPipelineStages][kRowBytes];
+  __shared__ __align__(8) uint64_t arrived[kWarpsPerBlock][kPipelineStages];   // the stage's row has landed
+  __shared__ __align__(8) uint64_t released[kWarpsPerBlock][kPipelineStages];  // every lane has read it
+  __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t first = (int64_t(blockIdx.x) * kWarpsPerBlock + warp) * kPipelineRows;
   pdl_wait_dependencies();
-  if (threadIdx.x < kMainDim / 8) {  // 8 dims (two chunks) per thread
-    float w[8];
-    load_weight<8>(p, 8 * threadIdx.x, w);
-    weight[xor_swizzled_chunk(2 * threadIdx.x)] = make_float4(w[0], w[1], w[2], w[3]);
-    weight[xor_swizzled_chunk(2 * threadIdx.x + 1)] = make_float4(w[4], w[5], w[6], w[7]);
-  }
-  __syncthreads();  // before any warp leaves
   if (first >= p.n) return;  // the whole warp
   const int count = int(p.n - first < kPipelineRows ? p.n - first : kPipelineRows);
-  const int steps = (count + 1) / 2;
   constexpr size_t kElem = KvFp32 ? 4 : 2;
   const char* kv = static_cast<const char*>(p.kv.data);
-  // Lane 0: rows 2i and 2i + 1 (when there is one) of this warp into stage i % kPipelineStages.
+  // Lane 0: row i of this warp into stage i % kPipelineStages.
   auto fetch = [&](int i) {
-    const int stage = i % kPipelineStages;
-    const int pair_rows = 2 * i + 1 < count ? 2 : 1;
-    uint64_t* bar = &arrived[warp][stage];
-    mbarrier_arrive_expect_tx(bar, kRowBytes * pair_rows);
-    for (int h = 0; h < pair_rows; ++h) {
-      bulk_copy_to_shared(rows[warp][stage][h], kv + (first + 2 * i + h) * p.kv.row_stride * kElem, kRowBytes, bar);
-    }
+    uint64_t* bar = &arrived[warp][i % kPipelineStages];
+    mbarrier_arrive_expect_tx(bar, kRowBytes);
+    bulk_copy_to_shared(rows[warp][i % kPipelineStages], kv + (first + i) * p.kv.row_stride * kElem, kRowBytes, bar);
   };
   if (lane == 0) {
 #pragma unroll
@@ -297,10 +219,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 6) k_writer_pipelined_ker
       mbarrier_init(&released[warp][s], 32);
     }
     fence_mbarrier_init();
-    for (int i = 0; i < steps && i < kPipelineStages; ++i) fetch(i);
+    for (int i = 0; i < count && i < kPipelineStages; ++i) fetch(i);
   }
   __syncwarp();
-  // Lane j: row j's slot (-1 when the row is skipped, or absent) and position; both fit int32 (host check).
+  // Lane j: row j's slot (-1 when the row is skipped) and position; both fit int32 (host check).
   int32_t slot_j = -1, position_j = 0;
   if (lane < count) {
     const int64_t slot = p.out_loc[first + lane], position = p.positions[first + lane];
@@ -309,31 +231,30 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 6) k_writer_pipelined_ker
       position_j = int32_t(position);
     }
   }
-  // This half's row of step i: its slot, and its RoPE table entries (loaded a step ahead).
-  auto table_quad = [&](int i) {
-    const int32_t slot = __shfl_sync(kAll, slot_j, 2 * i + half), position = __shfl_sync(kAll, position_j, 2 * i + half);
-    return slot >= 0 ? load_table_quad(p.freqs + int64_t(position) * kRopeDim, hl) : make_float4(0.f, 0.f, 0.f, 0.f);
+  float w[kLaneDims];
+  load_weight<kLaneDims>(p, lane * kLaneDims, w);
+  auto table_pair = [&](int i) {
+    const int32_t slot = __shfl_sync(kAll, slot_j, i), position = __shfl_sync(kAll, position_j, i);
+    return slot >= 0 ? load_table_pair(p.freqs + int64_t(position) * kRopeDim, lane) : make_float2(0.f, 0.f);
   };
-  float4 cs_next = table_quad(0);
-  for (int i = 0; i < steps; ++i) {
+  float2 cs_next = table_pair(0);
+  for (int i = 0; i < count; ++i) {
     const int stage = i % kPipelineStages;
-    const int32_t slot = __shfl_sync(kAll, slot_j, 2 * i + half);
-    const float4 cs = cs_next;
-    if (i + 1 < steps) cs_next = table_quad(i + 1);
+    const int32_t slot = __shfl_sync(kAll, slot_j, i);
+    const float2 cs = cs_next;
+    if (i + 1 < count) cs_next = table_pair(i + 1);
     mbarrier_wait(&arrived[warp][stage], uint32_t(i / kPipelineStages) & 1u);
-    const RawElements<kLaneDims, KvFp32> raw0 = read_lane_from_shared<KvFp32>(rows[warp][stage][half], hl);
-    const RawElements<kLaneDims, KvFp32> raw1 = read_lane_from_shared<KvFp32>(rows[warp][stage][half], hl + 16);
+    const RawElements<kLaneDims, KvFp32> raw = read_lane_from_shared<KvFp32>(rows[warp][stage], lane);
     // The refill of this stage waits until every lane's reads of it are done (the arrivals release them).
     mbarrier_arrive(&released[warp][stage]);
-    if (lane == 0 && i + kPipelineStages < steps) {
+    if (lane == 0 && i + kPipelineStages < count) {
       mbarrier_wait(&released[warp][stage], uint32_t(i / kPipelineStages) & 1u);
       fetch(i + kPipelineStages);
     }
-    if (slot < 0) continue;  // uniform over the half; the other half's shuffles name only its own lanes
-    float x[2 * kLaneDims];
-    widen_raw<kLaneDims, KvFp32>(raw0, x);
-    widen_raw<kLaneDims, KvFp32>(raw1, x + kLaneDims);
-    norm_rope_quantize_half_row<L>(p, x, weight, cs, slot, hl, half_mask, tails[warp][half]);
+    if (slot < 0) continue;  // warp-uniform
+    float x[kLaneDims];
+    widen_raw<kLaneDims, KvFp32>(raw, x);
+    norm_rope_quantize_row<L, RowSource::KWriter>(p, x, w, cs, slot, lane, tails[warp]);
   }
   pdl_launch_dependents();  // after the warp's last global read
 }

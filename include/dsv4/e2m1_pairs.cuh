@@ -65,10 +65,8 @@ struct E2m1Bf16PairEncoder {
   }
 
   // The codes of lo (bits 0..3) and hi (bits 16..19); the other bits are 0.
-  __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const { return encode_packed(pack_bf16x2(lo, hi)); }
-
-  // The same for the pair as bf16 bits (lo in bits 0..15).
-  __device__ __forceinline__ uint32_t encode_packed(uint32_t v) const {
+  __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const {
+    const uint32_t v = pack_bf16x2(lo, hi);
     const uint32_t a = v & 0x7FFF7FFFu;
     // E2m1RneThresholds' search: index >= 4, then >= 6 or >= 2 (>= thresholds), then the last bit (>).
     const uint32_t m4 = bf16x2_ge_mask(a, t[3]);
@@ -137,16 +135,6 @@ __device__ __forceinline__ void encode_e2m1_pairs(const PairEncoder& encoder, co
     const int first = (j / kHalf) * 2 * kHalf + j % kHalf;
     codes[j] = encoder.encode_pair(x[first], x[first + kHalf]);
   }
-  assemble_e2m1_words<N>(codes, words);
-}
-
-// The same for N bf16 values given as pairs in that order (pairs[j]: the pair's bf16 bits, lo first).
-template <int N>
-__device__ __forceinline__ void encode_e2m1_packed(const E2m1Bf16PairEncoder& encoder, const uint32_t* pairs,
-                                                   uint32_t* words) {
-  uint32_t codes[N / 2];
-#pragma unroll
-  for (int j = 0; j < N / 2; ++j) codes[j] = encoder.encode_packed(pairs[j]);
   assemble_e2m1_words<N>(codes, words);
 }
 

@@ -32,7 +32,7 @@ inline void hadamard128(float* v) {
 
 #if defined(__CUDACC__)
 
-// Group version (`row` holds chunk q of v at xor_swizzled_chunk(q)): the 8 lanes of `mask` (an aligned group) hold one row, lane `sub` its v[16 sub .. 16 sub + 15].
+// Group version: the 8 lanes of `mask` (an aligned group) hold one row, lane `sub` its v[16 sub .. 16 sub + 15].
 // Stages h = 1..8 stay inside the lane. For h = 16, 32, 64 the row goes through `row` (shared memory,
 // kHadamardRowFloats floats, 16-byte aligned, private to the group) and comes back transposed: lane `sub`
 // then holds v[16k + 2 sub + e] (k = 0..7, e = 0, 1), so those stages pair k with k ^ 1, 2, 4 inside the
@@ -41,6 +41,10 @@ inline void hadamard128(float* v) {
 // stages by shuffles instead cost a shuffle, two predicated adds and a move per value and stage: about
 // 200 instructions per warp against about 30 here.) Every lane of the group must call this.
 constexpr int kHadamardRowFloats = kIndexerDim + 16;  // the padding puts a half-warp's two rows on different banks
+
+// Where the row's 16-byte chunk q (v[4q .. 4q + 3]) lives in `row`: the XOR gives the eight lanes that
+// store or load the chunks 4 sub + c (one c) eight different bank quads.
+__device__ __forceinline__ int hadamard_chunk(int q) { return q ^ ((q >> 3) & 3); }
 
 __device__ __forceinline__ void butterfly(float& a, float& b) {
   const float sum = __fadd_rn(a, b);
@@ -60,7 +64,7 @@ __device__ __forceinline__ void group_hadamard128(float* v, int sub, unsigned ma
   }
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    *reinterpret_cast<float4*>(row + 4 * xor_swizzled_chunk(4 * sub + c)) =
+    *reinterpret_cast<float4*>(row + 4 * hadamard_chunk(4 * sub + c)) =
         make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
   }
   __syncwarp(mask);
@@ -69,7 +73,7 @@ __device__ __forceinline__ void group_hadamard128(float* v, int sub, unsigned ma
   float u[D];
 #pragma unroll
   for (int k = 0; k < D / 2; ++k) {
-    pair[k] = reinterpret_cast<float2*>(row + 4 * xor_swizzled_chunk(4 * k + sub / 2) + 2 * (sub & 1));
+    pair[k] = reinterpret_cast<float2*>(row + 4 * hadamard_chunk(4 * k + sub / 2) + 2 * (sub & 1));
     const float2 t = *pair[k];
     u[2 * k] = t.x;
     u[2 * k + 1] = t.y;
@@ -91,7 +95,7 @@ __device__ __forceinline__ void group_hadamard128(float* v, int sub, unsigned ma
   __syncwarp(mask);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const float4 t = *reinterpret_cast<const float4*>(row + 4 * xor_swizzled_chunk(4 * sub + c));
+    const float4 t = *reinterpret_cast<const float4*>(row + 4 * hadamard_chunk(4 * sub + c));
     v[4 * c] = t.x;
     v[4 * c + 1] = t.y;
     v[4 * c + 2] = t.z;

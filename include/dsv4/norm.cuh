@@ -89,24 +89,6 @@ __device__ __forceinline__ void lanes_rms_norm(const float* x, const float* w, f
   for (int j = 0; j < G * LaneGroups; ++j) y[j] = rms_scale(x[j], r, w[j]);
 }
 
-// r of a main row (D = 512, groups of 16) held by a half-warp (`mask`), lane hl holding groups hl and
-// hl + 16 of §1.2 (x[0..15] and x[16..31]). The tree's first level (h = 16) adds the lane's own two
-// partials; levels h = 8..1 pair lane hl with hl ^ h, as in lanes_rms_norm. Every lane of the half ends
-// with the same r; all 16 must call this.
-__device__ __forceinline__ float half_warp_rms_inverse(const float* x, float eps, unsigned mask) {
-  constexpr int G = kMainDim / 32;  // 16
-  float q0[G], q1[G];
-#pragma unroll
-  for (int j = 0; j < G; ++j) {
-    q0[j] = __fmul_rn(x[j], x[j]);
-    q1[j] = __fmul_rn(x[G + j], x[G + j]);
-  }
-  float ss = __fadd_rn(rms_group_partial<G>(q0), rms_group_partial<G>(q1));
-#pragma unroll
-  for (int m = 8; m >= 1; m /= 2) ss = __fadd_rn(ss, __shfl_xor_sync(mask, ss, m));
-  return rms_inverse(ss, kMainDim, eps);
-}
-
 // Whole-warp RMSNorm: lane l holds group l (G values). All 32 lanes must call this.
 template <int G>
 __device__ __forceinline__ void warp_rms_norm(const float* x, const float* w, float eps, float* y) {

@@ -14,11 +14,6 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-// Where a row's 16-byte chunk q lives in a shared-memory copy of the row that 8 lanes read or write
-// at chunks 4s + c (lane s = 0..7, one c per instruction): the XOR of bits 3..4 into bits 0..1 gives
-// them 8 different bank quads (one 128-byte wavefront) instead of 2.
-__device__ __forceinline__ int xor_swizzled_chunk(int q) { return q ^ ((q >> 3) & 3); }
-
 // N (a multiple of 8) consecutive bf16/fp16/fp32 elements as they were loaded, before widening, so a
 // load can be issued well ahead of the code that waits for it.
 template <int N, bool IsFp32>

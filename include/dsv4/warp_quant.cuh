@@ -29,21 +29,6 @@ __device__ __forceinline__ float abs_max(const float* x) {
   return m[0];
 }
 
-// abs_max of N (a power of two) bf16 values given as N / 2 pairs: a tree of packed max-of-magnitudes
-// (max.xorsign.abs, whose sign bits the next level ignores), then the larger of the two halves.
-template <int N>
-__device__ __forceinline__ float bf16x2_abs_max(const uint32_t* pairs) {
-  uint32_t m[N / 2];
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) m[i] = pairs[i];
-#pragma unroll
-  for (int h = N / 4; h >= 1; h /= 2) {
-#pragma unroll
-    for (int i = 0; i < h; ++i) asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(m[i]) : "r"(m[i]), "r"(m[i + h]));
-  }
-  return fmaxf(fabsf(__uint_as_float(m[0] << 16)), fabsf(__uint_as_float(m[0] & 0xFFFF0000u)));
-}
-
 constexpr int kLaneDims = kMainDim / 32;                // 16
 constexpr int kRopeFirstLane = kV4NopeDim / kLaneDims;  // 28: lanes 28..31 own the RoPE dims
 // Indexer rows are short (128 dims), so a warp takes four: 8 lanes x 16 dims each, which keeps enough
@@ -116,18 +101,6 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint
     store_words<LaneDims>(data + LaneDims * sub, w);
   }
   if (sub % kLanesPerTile == 0) scale[sub / kLanesPerTile] = scale_byte;
-}
-
-// quantize_main_lane<V41_FP4, true> of one lane's 16 values (one tile) given as bf16 pairs in the e2m1
-// encoders' order (encode_e2m1_packed): the packed values go to the encoder without a round trip to fp32.
-__device__ __forceinline__ void quantize_fp4_lane_packed(const uint32_t* pairs, int sub, uint8_t* data,
-                                                         uint8_t* scale) {
-  static_assert(LayoutTraits<KVLayout::V41_FP4>::kTile == kLaneDims, "one tile per lane");
-  const uint8_t scale_byte = v41_fp4_scale_byte(bf16x2_abs_max<kLaneDims>(pairs));
-  uint32_t words[kLaneDims / 8];
-  encode_e2m1_packed<kLaneDims>(E2m1Bf16PairEncoder(e4m3_decode_finite(scale_byte)), pairs, words);
-  store_words<kLaneDims / 2>(data + kLaneDims / 2 * sub, words);
-  scale[sub] = scale_byte;
 }
 
 // Quantizes this lane's LaneDims values of an indexer row held by 128 / LaneDims adjacent lanes
