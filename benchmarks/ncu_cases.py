@@ -4,9 +4,9 @@
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
         python3 -m benchmarks.ncu_cases CASE [SIZE]
 
-CASE: kwriter / kwriter_fp4 (V41 / V41_FP4, 2^20 tokens), indexer_fp4 (compress writer, 2^20 prefill rows), c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests),
-c4p / c128p (prefill of 65536 tokens from scratch), plan (plan_compress_prefill, c4 paged, 64 requests x 4
-drafts); SIZE replaces the row / request count.
+CASE: kwriter / kwriter_fp4 (V41 / V41_FP4, 2^20 tokens), indexer_fp4 (compress writer, 2^20 decode-plan rows),
+c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests), c4p / c128p (prefill of 65536 tokens
+from scratch), plan (plan_compress_prefill, c4 paged, 64 requests x 4 drafts); SIZE replaces the row / request count.
 Two warm-up calls precede the profiled one.
 """
 import sys
