@@ -42,7 +42,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
     }
   }
   pdl_launch_dependents();
-  quantize_main_lane<L, !InputFp32>(x, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
+  const PagedCache::RowPointers rows = p.cache.rows_of(slot);
+  quantize_main_lane<L, !InputFp32>(x, lane, rows.data, rows.scale);
 }
 
 // Indexer rows: four per warp, 8 lanes x 16 dims each (warp_quant.cuh).
@@ -62,7 +63,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_indexer_kernel(Stor
   float x[kIndexerGroupLaneDims];
   load_widen<kIndexerGroupLaneDims, InputFp32>(row + sub * kIndexerGroupLaneDims * elem, x);
   pdl_launch_dependents();
-  quantize_indexer_lane<F, kIndexerGroupLaneDims>(x, sub, p.cache.data_row(slot), p.cache.scale_row(slot));
+  const PagedCache::RowPointers rows = p.cache.rows_of(slot);
+  quantize_indexer_lane<F, kIndexerGroupLaneDims>(x, sub, rows.data, rows.scale);
 }
 
 // One warp per unit of work (a main row, or four indexer rows).

@@ -119,19 +119,20 @@ __device__ __forceinline__ void round_lane_to_bf16(float* v) {
 }
 
 // Normalizes, rotates and quantizes one main row (this lane's input values x and weights w; cs = its
-// RoPE table pair) into `slot`. V4 quantizes the nope dims of y (rounded to bf16 first on the compress
+// RoPE table pair) into the cache rows `rows`. V4 quantizes the nope dims of y (rounded to bf16 first on the compress
 // path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4 round y to bf16, rotate the bf16 tail,
 // round again and quantize all 512 values (§1.6).
 template <KVLayout L, RowSource S>
 __device__ __forceinline__ void norm_rope_quantize_row(const NormRopeParams& p, const float* x, const float* w,
-                                                       float2 cs, int64_t slot, int lane, float2* tail) {
+                                                       float2 cs, PagedCache::RowPointers rows, int lane,
+                                                       float2* tail) {
   float y[kLaneDims];
   warp_rms_norm<kLaneDims>(x, w, p.eps, y);
   const bool round_first = L != KVLayout::V4 || (S != RowSource::KWriter && lane < kRopeFirstLane);
   if (round_first) round_lane_to_bf16(y);
   // V4 stores the rotated fp32 tail as bf16 itself; V41 / V41_FP4 round it here.
   rotate_tail_across_warp<L != KVLayout::V4>(y, cs, lane, tail);
-  quantize_main_lane<L, L != KVLayout::V4>(y, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
+  quantize_main_lane<L, L != KVLayout::V4>(y, lane, rows.data, rows.scale);
 }
 
 template <KVLayout L, bool KvFp32, RowSource S>
@@ -140,7 +141,7 @@ __device__ __forceinline__ void write_main_row(const NormRopeParams& p, const Ra
   const float2 cs = load_table_pair(p.freqs + t.position * kRopeDim, lane);
   float x[kLaneDims];
   widen_raw<kLaneDims, KvFp32>(raw, x);
-  norm_rope_quantize_row<L, S>(p, x, w, cs, t.slot, lane, tail);
+  norm_rope_quantize_row<L, S>(p, x, w, cs, p.cache.rows_of(t.slot), lane, tail);
 }
 
 // K writer (S == KWriter) and compress main writer, one row per warp. The bound of 10 blocks per SM
@@ -254,7 +255,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     if (slot < 0) continue;  // warp-uniform
     float x[kLaneDims];
     widen_raw<kLaneDims, KvFp32>(raw, x);
-    norm_rope_quantize_row<L, RowSource::KWriter>(p, x, w, cs, slot, lane, tails[warp]);
+    norm_rope_quantize_row<L, RowSource::KWriter>(p, x, w, cs, p.cache.compact_rows_of(uint32_t(slot)), lane,
+                                                  tails[warp]);
   }
   pdl_launch_dependents();  // after the warp's last global read
 }
@@ -292,18 +294,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
     for (int j = 0; j < D; j += 2) rotate_pair(y[j], y[j + 1], f[j], f[j + 1]);
   }
   group_hadamard128(y, sub, mask, hadamard_rows[threadIdx.x / kIndexerGroupLanes]);
-  quantize_indexer_lane<F, D>(y, sub, p.cache.data_row(t.slot), p.cache.scale_row(t.slot));
+  const PagedCache::RowPointers rows = p.cache.rows_of(t.slot);
+  quantize_indexer_lane<F, D>(y, sub, rows.data, rows.scale);
 }
 
 // One warp per unit of work (a main row, or four indexer rows).
 dim3 token_grid(int64_t warps) { return dim3(unsigned((warps + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
 
-// The pipelined K writer needs 16-byte aligned rows (bulk copies), slots and positions that fit int32,
+// The pipelined K writer needs 16-byte aligned rows (bulk copies), a compact cache, positions that fit int32,
 // and enough rows to fill its warps.
 bool k_writer_pipelined_fits(const NormRopeParams& p) {
   const int64_t row_bytes = p.kv.row_stride * (p.kv.type == ElemType::FP32 ? 4 : 2);
   return p.n >= kPipelineMinRows && reinterpret_cast<uintptr_t>(p.kv.data) % 16 == 0 && row_bytes % 16 == 0 &&
-         p.cache.capacity() <= INT32_MAX && p.max_pos <= INT32_MAX;
+         p.cache.compact && p.max_pos <= INT32_MAX;
 }
 
 template <KVLayout L, RowSource S>

@@ -107,6 +107,7 @@ PagedCache check_cache(const char* op, const char* name, const Tensor& cache,
   view.page_bits = page_bits_of(page_size);
   view.data_bytes = traits.data_bytes;
   view.scale_bytes = traits.scale_bytes;
+  view.compact = view.capacity() <= INT32_MAX && view.page_stride <= int64_t(UINT32_MAX);
   return view;
 }
 

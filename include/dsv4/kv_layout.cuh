@@ -98,6 +98,9 @@ struct PagedCache {
   int page_bits;        // log2(page_size)
   int data_bytes;
   int scale_bytes;
+  // Slots fit int32 and page_stride fits uint32 (capacity() <= INT32_MAX, set by the host check): every
+  // real cache (2^31 slots of the smallest format take 146 GB), so rows_of can use 32-bit offsets.
+  bool compact;
 
   DSV4_HD int64_t capacity() const { return num_pages << page_bits; }
   DSV4_HD bool valid(int64_t slot) const { return slot >= 0 && slot < capacity(); }
@@ -111,6 +114,23 @@ struct PagedCache {
   }
   DSV4_HD uint8_t* data_row(int64_t slot) const { return base + data_offset(slot); }
   DSV4_HD uint8_t* scale_row(int64_t slot) const { return base + scale_offset(slot); }
+
+  // data_row and scale_row of a valid slot. On a compact cache the page base takes one 32 x 32 -> 64-bit
+  // multiply and the in-page offsets 32-bit products (about 15 fewer instructions per row than the
+  // 64-bit shifts and products); the branch is uniform across a launch.
+  struct RowPointers {
+    uint8_t* data;
+    uint8_t* scale;
+  };
+  DSV4_HD RowPointers compact_rows_of(uint32_t slot) const {
+    const uint32_t row = slot & ((1u << page_bits) - 1u);
+    uint8_t* page = base + uint64_t(slot >> page_bits) * uint32_t(page_stride);
+    return {page + row * uint32_t(data_bytes),
+            page + ((uint32_t(data_bytes) << page_bits) + row * uint32_t(scale_bytes))};
+  }
+  DSV4_HD RowPointers rows_of(int64_t slot) const {
+    return compact ? compact_rows_of(uint32_t(slot)) : RowPointers{data_row(slot), scale_row(slot)};
+  }
 };
 
 }  // namespace dsv4
