@@ -224,6 +224,31 @@ def test_T2_large_offset_cuda(ref, fmt, slot_dtype):
     _large_offset("cuda", fmt, slot_dtype, ref)
 
 
+@cuda_only
+@pytest.mark.parametrize("fmt", [V41_FP4, IDX_FP4], ids=fmt_id)
+def test_T2_page_stride_beyond_32_bits_cuda(ref, fmt):
+    """A page stride above 2^32 bytes (the kernels' 64-bit row offsets; a compact cache takes 32-bit ones):
+    two pages 4 GiB apart, rows stored into both and read back, against the same rows in a contiguous cache."""
+    p, stride = 64, 2**32 + 4096
+    pb = fmt.page_bytes(p)
+    buffer = torch.full((stride + pb,), 0xFF, dtype=torch.uint8, device="cuda")
+    try:
+        cache = buffer.as_strided((2, pb), (stride, 1))
+        x = make_rows(3, fmt.width, tile=fmt.tile, seed=seed_of("stride32", fmt.name), special=False)
+        slots = torch.tensor([p + 7, 3, -1], dtype=torch.int64)
+        op_store(fmt, x.cuda(), cache, slots.cuda(), p)
+        expected = torch.full((2, pb), 0xFF, dtype=torch.uint8)
+        ref_store(ref, fmt, x, expected, slots, p)
+        assert_bytes_equal(cache.cpu(), expected, fmt, p, pb, what="pages 4 GiB apart")
+        if not fmt.indexer:
+            read = torch.tensor([p + 7, 3, -1], dtype=torch.int64)
+            got = dsv4.dequantize_k_cache_paged(cache, read.cuda(), p, layout=fmt.id).cpu()
+            assert_bits_equal(got, dsv4.dequantize_k_cache_paged(expected, read, p, layout=fmt.id), "dequant")
+    finally:
+        del buffer
+        torch.cuda.empty_cache()
+
+
 # ====================================================================================================
 # T3: stores vs the reference, poisoned cache compared whole
 

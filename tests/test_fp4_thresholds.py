@@ -91,6 +91,44 @@ def test_bf16_pair_encoder_equals_reference(device):
     assert torch.equal(cache[:, 256:288].cpu(), scale)
 
 
+def test_v41_fp4_scale_of_bf16_amax_by_multiply():
+    """quant.cuh v41_fp4_scale_byte_of_bf16: for every non-negative finite bf16 amax, amax * fl(1/6) gives the
+    same clamped e4m3 scale byte as the IEEE quotient amax / 6 (the products differ from the quotients in
+    their last bit for some amax, so the property is the byte's, not the value's)."""
+    amax = (torch.arange(0, 0x7F80, dtype=torch.int32) << 16).view(torch.float32)
+    quotient, product = amax / 6.0, amax * torch.tensor(1.0 / 6.0, dtype=torch.float32)
+    assert not torch.equal(quotient, product)  # the premise is not trivial
+
+    def byte(r):
+        return ref.e4m3_encode(r.clamp(2.0**-9, 448.0))
+
+    assert torch.equal(byte(product), byte(quotient))
+
+
+def bf16_amax_sweep_rows() -> torch.Tensor:
+    """bf16 rows of 16-value tiles whose amax walks every positive finite bf16 value; the other 15 values of
+    a tile are fixed fractions of it (both signs)."""
+    amax = (torch.arange(1, 0x7F80, dtype=torch.int32) << 16).view(torch.float32)
+    fractions = torch.tensor([0.9, -0.8, 0.7, -0.55, 0.45, -0.4, 0.3, -0.26, 0.2, -0.13, 0.1, -0.05, 0.04, -0.01, 0.0])
+    x = torch.cat([amax[:, None], amax[:, None] * fractions[None, :]], 1).reshape(-1)
+    return torch.nn.functional.pad(x, (0, -x.numel() % 512)).view(-1, 512).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bf16_amax_sweep_equals_reference(device):
+    """Every bf16 tile amax through the bf16-input store (scale byte by v41_fp4_scale_byte_of_bf16 on CUDA)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rows = bf16_amax_sweep_rows()
+    assert rows.shape[0] * 32 >= 0x7F7F
+    cache = torch.zeros(rows.shape[0], dsv4.KVLayout.V41_FP4.page_bytes(1), dtype=torch.uint8, device=device)
+    slots = torch.arange(rows.shape[0], device=device)
+    dsv4.fused_store_cache(rows.to(device), cache, slots, page_size=1, layout="v41_fp4")
+    data, scale = ref.quantize_rows(rows.float(), dsv4.KVLayout.V41_FP4)
+    assert torch.equal(cache[:, :256].cpu(), data)
+    assert torch.equal(cache[:, 256:288].cpu(), scale)
+
+
 def indexer_sweep_rows() -> torch.Tensor:
     """fp32 rows of 32-value tiles for the indexer fp4 quantizer: element 0 is 6 * 2^k (the tile multiplier is
     exactly 2^-k) and the others walk +-64 fp32 ulps around t * 2^k for every threshold t, both signs, for

@@ -7,6 +7,7 @@
 #include "dsv4/hadamard.cuh"
 #include "dsv4/launch.cuh"
 #include "dsv4/norm.cuh"
+#include "dsv4/packed_lane.cuh"
 #include "dsv4/quant.cuh"
 #include "dsv4/rope.cuh"
 #include "dsv4/vec_io.cuh"
@@ -119,20 +120,25 @@ __device__ __forceinline__ void round_lane_to_bf16(float* v) {
 }
 
 // Normalizes, rotates and quantizes one main row (this lane's input values x and weights w; cs = its
-// RoPE table pair) into the cache rows `rows`. V4 quantizes the nope dims of y (rounded to bf16 first on the compress
-// path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4 round y to bf16, rotate the bf16 tail,
-// round again and quantize all 512 values (§1.6).
+// RoPE table pair) into the cache rows `rows`. V4 quantizes the nope dims of y (rounded to bf16 first on
+// the compress path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4 round y to bf16, rotate the
+// bf16 tail, round again and quantize all 512 values (§1.6), on packed bf16 words from the first rounding.
 template <KVLayout L, RowSource S>
 __device__ __forceinline__ void norm_rope_quantize_row(const NormRopeParams& p, const float* x, const float* w,
                                                        float2 cs, PagedCache::RowPointers rows, int lane,
                                                        float2* tail) {
   float y[kLaneDims];
   warp_rms_norm<kLaneDims>(x, w, p.eps, y);
-  const bool round_first = L != KVLayout::V4 || (S != RowSource::KWriter && lane < kRopeFirstLane);
-  if (round_first) round_lane_to_bf16(y);
-  // V4 stores the rotated fp32 tail as bf16 itself; V41 / V41_FP4 round it here.
-  rotate_tail_across_warp<L != KVLayout::V4>(y, cs, lane, tail);
-  quantize_main_lane<L, L != KVLayout::V4>(y, lane, rows.data, rows.scale);
+  if constexpr (L == KVLayout::V4) {
+    if (S != RowSource::KWriter && lane < kRopeFirstLane) round_lane_to_bf16(y);
+    rotate_tail_across_warp(y, cs, lane, tail);
+    quantize_main_lane<L, false>(y, lane, rows.data, rows.scale);
+  } else {
+    uint32_t words[kLaneWords];
+    pack_lane_bf16(y, words);
+    rotate_packed_tail_across_warp(words, cs, lane, reinterpret_cast<uint32_t*>(tail));
+    quantize_packed_lane<L>(words, lane, rows);
+  }
 }
 
 template <KVLayout L, bool KvFp32, RowSource S>
@@ -205,13 +211,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
   pdl_wait_dependencies();
   if (first >= p.n) return;  // the whole warp
   const int count = int(p.n - first < kPipelineRows ? p.n - first : kPipelineRows);
-  constexpr size_t kElem = KvFp32 ? 4 : 2;
-  const char* kv = static_cast<const char*>(p.kv.data);
-  // Lane 0: row i of this warp into stage i % kPipelineStages.
-  auto fetch = [&](int i) {
-    uint64_t* bar = &arrived[warp][i % kPipelineStages];
-    mbarrier_arrive_expect_tx(bar, kRowBytes);
-    bulk_copy_to_shared(rows[warp][i % kPipelineStages], kv + (first + i) * p.kv.row_stride * kElem, kRowBytes, bar);
+  // Shared addresses of stage 0 (stage s: + s * its size), computed once for the whole loop.
+  const uint32_t rows_at = shared_address(rows[warp][0]);
+  const uint32_t arrived_at = shared_address(&arrived[warp][0]);
+  const uint32_t released_at = shared_address(&released[warp][0]);
+  // Lane 0 copies the warp's rows in order, each into the next stage (round robin).
+  const int64_t source_stride = p.kv.row_stride * (KvFp32 ? 4 : 2);
+  const char* next_source = static_cast<const char*>(p.kv.data) + first * source_stride;
+  auto fetch = [&](int stage) {
+    mbarrier_arrive_expect_tx(arrived_at + 8 * stage, kRowBytes);
+    bulk_copy_to_shared(rows_at + kRowBytes * stage, next_source, kRowBytes, arrived_at + 8 * stage);
+    next_source += source_stride;
   };
   if (lane == 0) {
 #pragma unroll
@@ -223,7 +233,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     for (int i = 0; i < count && i < kPipelineStages; ++i) fetch(i);
   }
   __syncwarp();
-  // Lane j: row j's slot (-1 when the row is skipped) and position; both fit int32 (host check).
+  // Lane j: row j's slot (-1 when the row is skipped) and position (0 then: the table has a row 0); both
+  // fit int32 (host check).
   int32_t slot_j = -1, position_j = 0;
   if (lane < count) {
     const int64_t slot = p.out_loc[first + lane], position = p.positions[first + lane];
@@ -234,23 +245,29 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
   }
   float w[kLaneDims];
   load_weight<kLaneDims>(p, lane * kLaneDims, w);
+  // This lane's RoPE table pair of row i (the table is 8-byte aligned: host check).
   auto table_pair = [&](int i) {
-    const int32_t slot = __shfl_sync(kAll, slot_j, i), position = __shfl_sync(kAll, position_j, i);
-    return slot >= 0 ? load_table_pair(p.freqs + int64_t(position) * kRopeDim, lane) : make_float2(0.f, 0.f);
+    const int32_t position = __shfl_sync(kAll, position_j, i);
+    return __ldg(reinterpret_cast<const float2*>(p.freqs + int64_t(position) * kRopeDim) + lane);
   };
   float2 cs_next = table_pair(0);
+  int stage = 0;
+  uint32_t phase = 0;  // parity of the stage's current use
   for (int i = 0; i < count; ++i) {
-    const int stage = i % kPipelineStages;
     const int32_t slot = __shfl_sync(kAll, slot_j, i);
     const float2 cs = cs_next;
     if (i + 1 < count) cs_next = table_pair(i + 1);
-    mbarrier_wait(&arrived[warp][stage], uint32_t(i / kPipelineStages) & 1u);
+    mbarrier_wait(arrived_at + 8 * stage, phase);
     const RawElements<kLaneDims, KvFp32> raw = read_lane_from_shared<KvFp32>(rows[warp][stage], lane);
     // The refill of this stage waits until every lane's reads of it are done (the arrivals release them).
-    mbarrier_arrive(&released[warp][stage]);
+    mbarrier_arrive(released_at + 8 * stage);
     if (lane == 0 && i + kPipelineStages < count) {
-      mbarrier_wait(&released[warp][stage], uint32_t(i / kPipelineStages) & 1u);
-      fetch(i + kPipelineStages);
+      mbarrier_wait(released_at + 8 * stage, phase);
+      fetch(stage);
+    }
+    if (++stage == kPipelineStages) {
+      stage = 0;
+      phase ^= 1u;
     }
     if (slot < 0) continue;  // warp-uniform
     float x[kLaneDims];
@@ -301,12 +318,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
 // One warp per unit of work (a main row, or four indexer rows).
 dim3 token_grid(int64_t warps) { return dim3(unsigned((warps + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
 
-// The pipelined K writer needs 16-byte aligned rows (bulk copies), a compact cache, positions that fit int32,
-// and enough rows to fill its warps.
+// The pipelined K writer needs 16-byte aligned rows (bulk copies), a compact cache, a non-empty 8-byte
+// aligned RoPE table whose positions fit int32, and enough rows to fill its warps.
 bool k_writer_pipelined_fits(const NormRopeParams& p) {
   const int64_t row_bytes = p.kv.row_stride * (p.kv.type == ElemType::FP32 ? 4 : 2);
   return p.n >= kPipelineMinRows && reinterpret_cast<uintptr_t>(p.kv.data) % 16 == 0 && row_bytes % 16 == 0 &&
-         p.cache.compact && p.max_pos <= INT32_MAX;
+         p.cache.compact && p.max_pos >= 1 && p.max_pos <= INT32_MAX &&
+         reinterpret_cast<uintptr_t>(p.freqs) % 8 == 0;
 }
 
 template <KVLayout L, RowSource S>

@@ -23,36 +23,37 @@ __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
+// The functions below take shared-memory addresses (shared_address), which a loop computes once: from a
+// generic pointer, each call would redo the conversion (a special-register read and arithmetic).
+
 // One arrival (release: this thread's earlier shared-memory reads are done before it counts).
-__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
 // One arrival that also expects `bytes` more bytes in the current phase.
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
-               : "memory");
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory; the
-// transfer counts against `bar`'s expected bytes.
-__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory at `dst`;
+// the transfer counts against `bar`'s expected bytes.
+__device__ __forceinline__ void bulk_copy_to_shared(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          shared_address(dst)),
-      "l"(src), "r"(bytes), "r"(shared_address(bar))
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
 
-// Waits until phase `parity` (0 or 1) of `bar` has completed.
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+// Waits until phase `parity` (0 or 1) of the mbarrier at shared address `bar` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "WAIT_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(shared_address(bar)),
+      "}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
 }

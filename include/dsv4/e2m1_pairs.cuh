@@ -65,8 +65,10 @@ struct E2m1Bf16PairEncoder {
   }
 
   // The codes of lo (bits 0..3) and hi (bits 16..19); the other bits are 0.
-  __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const {
-    const uint32_t v = pack_bf16x2(lo, hi);
+  __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const { return encode_bf16x2(pack_bf16x2(lo, hi)); }
+
+  // The same for two bf16 values packed in one word (lo in bits 0..15).
+  __device__ __forceinline__ uint32_t encode_bf16x2(uint32_t v) const {
     const uint32_t a = v & 0x7FFF7FFFu;
     // E2m1RneThresholds' search: index >= 4, then >= 6 or >= 2 (>= thresholds), then the last bit (>).
     const uint32_t m4 = bf16x2_ge_mask(a, t[3]);
@@ -143,7 +145,7 @@ __device__ __forceinline__ void encode_e2m1_pairs(const PairEncoder& encoder, co
 template <int N>
 __device__ __forceinline__ void fake_quant_compressed_bf16_values(float* x, float tile_amax) {
   static_assert(N % 2 == 0, "whole pairs");
-  const float scale = e4m3_decode_finite(v41_fp4_scale_byte(tile_amax));
+  const float scale = e4m3_decode_finite(v41_fp4_scale_byte_of_bf16(tile_amax));
   const E2m1Bf16PairEncoder encoder(scale);
 #pragma unroll
   for (int k = 0; k < N / 2; ++k) {

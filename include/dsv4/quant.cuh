@@ -217,6 +217,15 @@ DSV4_HD uint8_t v41_fp4_scale_byte(float amax) {
   return e4m3_encode(fmin_f32(fmax_f32(r, kE4m3MinSubnormal), kE4m3Max));
 }
 
+// v41_fp4_scale_byte of a bf16-representable amax (every V41_FP4 writer quantizes bf16 values): the product
+// with fl(1/6) can differ from the IEEE quotient in its last bit, but never in the clamped e4m3 byte, for
+// any of the 2^15 non-negative bf16 values (test_quant_identities checks them all); one multiply instead
+// of a division sequence.
+DSV4_HD uint8_t v41_fp4_scale_byte_of_bf16(float amax) {
+  const float r = amax * (1.0f / 6.0f);
+  return e4m3_encode(fmin_f32(fmax_f32(r, kE4m3MinSubnormal), kE4m3Max));
+}
+
 // fake_quant_compressed_kv of one V41_FP4 tile, in place: the V41_FP4 codes of the tile times its
 // decoded e4m3 scale (exact in fp32; -0.0 and tiny negatives give -0.0). _values takes n of the tile's
 // values and the amax of the whole tile (a tile spread over several threads); _tile a whole tile of n.

@@ -56,6 +56,20 @@ __device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t* words)
   }
 }
 
+// Stores N values as the e4m3 codes of x * 2^(127 - scale_byte) (the V4 / V41 data bytes) at dst.
+template <int N>
+__device__ __forceinline__ void store_e4m3_lane(const float* x, uint8_t scale_byte, uint8_t* dst) {
+  const float inv = inverse_scale_of_byte(scale_byte);
+  uint32_t w[N / 4];
+#pragma unroll
+  for (int k = 0; k < N / 4; ++k) {
+    const uint32_t lo = e4m3x2_encode(x[4 * k] * inv, x[4 * k + 1] * inv);
+    const uint32_t hi = e4m3x2_encode(x[4 * k + 2] * inv, x[4 * k + 3] * inv);
+    w[k] = lo | (hi << 16);
+  }
+  store_words<N>(dst, w);
+}
+
 // Quantizes this lane's LaneDims values of a main row (held by 512 / LaneDims lanes of aligned groups;
 // `sub` = this lane's index in the row: dims [LaneDims * sub, LaneDims * (sub + 1))) into the layout's data
 // and scale rows. A tile's amax is reduced over the lanes that share it (16 dims per lane: V4 4 lanes, V41
@@ -78,7 +92,7 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint
   }
   uint8_t scale_byte;
   if constexpr (L == KVLayout::V41_FP4) {
-    scale_byte = v41_fp4_scale_byte(amax);
+    scale_byte = Bf16Values ? v41_fp4_scale_byte_of_bf16(amax) : v41_fp4_scale_byte(amax);
     uint32_t packed[(LaneDims + 7) / 8] = {};  // eight codes per word
     if constexpr (Bf16Values) {
       encode_e2m1_pairs<LaneDims>(E2m1Bf16PairEncoder(e4m3_decode_finite(scale_byte)), x, packed);
@@ -90,15 +104,7 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint
     store_words<LaneDims / 2>(data + LaneDims / 2 * sub, packed);
   } else {
     scale_byte = L == KVLayout::V4 ? v4_scale_byte(amax) : v41_scale_byte(amax);
-    const float inv = inverse_scale_of_byte(scale_byte);
-    uint32_t w[LaneDims / 4];
-#pragma unroll
-    for (int k = 0; k < LaneDims / 4; ++k) {
-      const uint32_t lo = e4m3x2_encode(x[4 * k] * inv, x[4 * k + 1] * inv);
-      const uint32_t hi = e4m3x2_encode(x[4 * k + 2] * inv, x[4 * k + 3] * inv);
-      w[k] = lo | (hi << 16);
-    }
-    store_words<LaneDims>(data + LaneDims * sub, w);
+    store_e4m3_lane<LaneDims>(x, scale_byte, data + LaneDims * sub);
   }
   if (sub % kLanesPerTile == 0) scale[sub / kLanesPerTile] = scale_byte;
 }
