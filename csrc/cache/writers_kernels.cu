@@ -243,8 +243,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
       position_j = int32_t(position);
     }
   }
+  // The weight, once per warp, element by element (any alignment): load_weight's misaligned fallback
+  // keeps a buffer in local memory, and with it in the kernel the compiler kept V41's packed words in
+  // local memory too (a store of them on every row).
   float w[kLaneDims];
-  load_weight<kLaneDims>(p, lane * kLaneDims, w);
+  if (p.weight_fp32) {
+#pragma unroll
+    for (int k = 0; k < kLaneDims; ++k) w[k] = __ldg(static_cast<const float*>(p.weight) + lane * kLaneDims + k);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kLaneDims; ++k) {
+      w[k] = bf16_to_f32(__ldg(static_cast<const uint16_t*>(p.weight) + lane * kLaneDims + k));
+    }
+  }
   // This lane's RoPE table pair of row i (the table is 8-byte aligned: host check).
   auto table_pair = [&](int i) {
     const int32_t position = __shfl_sync(kAll, position_j, i);

@@ -65,22 +65,32 @@ struct E2m1Bf16PairEncoder {
   }
 
   // The codes of lo (bits 0..3) and hi (bits 16..19); the other bits are 0.
-  __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const { return encode_bf16x2(pack_bf16x2(lo, hi)); }
+  __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const {
+    return codes_at(pack_bf16x2(lo, hi), 0);
+  }
 
-  // The same for two bf16 values packed in one word (lo in bits 0..15).
-  __device__ __forceinline__ uint32_t encode_bf16x2(uint32_t v) const {
+  // The e2m1 word of eight bf16 values packed as the pairs (k, k + 4), k = 0..3, in pairs[k] (the packing
+  // order of assemble_e2m1_words): the same word as assembling encode_pair's codes.
+  __device__ __forceinline__ uint32_t encode_word(const uint32_t* pairs) const {
+    uint32_t word = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) word |= codes_at(pairs[k], k);
+    return word;
+  }
+
+ private:
+  // The codes of the packed pair v at nibbles k (lo) and k + 4 (hi), the other bits 0. A compare's mask
+  // is all ones in its half, so each index bit is taken from the mask at its final place, and the sign
+  // (bit 15 of each half) is shifted there: no per-pair code to form and shift.
+  __device__ __forceinline__ uint32_t codes_at(uint32_t v, int k) const {
     const uint32_t a = v & 0x7FFF7FFFu;
     // E2m1RneThresholds' search: index >= 4, then >= 6 or >= 2 (>= thresholds), then the last bit (>).
     const uint32_t m4 = bf16x2_ge_mask(a, t[3]);
     const uint32_t m2 = bf16x2_ge_mask(a, select_bits(m4, t[5], t[1]));
     const uint32_t last = select_bits(m4, select_bits(m2, t[6], t[4]), select_bits(m2, t[2], t[0]));
     const uint32_t m1 = bf16x2_gt_mask(a, last);
-    // Each half's code in its bits 0..3: the value's sign bit (bit 15 of the half) shifted to bit 3,
-    // then the three mask bits.
-    uint32_t code = select_bits(0x00080008u, v >> 12, m4);
-    code = select_bits(0x000C000Cu, code, m2);
-    code = select_bits(0x000E000Eu, code, m1);
-    return code & 0x000F000Fu;
+    const uint32_t nibble = 0x00010001u << (4 * k);
+    return ((v >> (12 - 4 * k)) & (nibble << 3)) | (m4 & (nibble << 2)) | (m2 & (nibble << 1)) | (m1 & nibble);
   }
 };
 

@@ -31,9 +31,9 @@ __device__ __forceinline__ void pack_lane_bf16(const float* y, uint32_t* words) 
 // The lane's 16 values as fp32 (exact).
 __device__ __forceinline__ void unpack_lane_bf16(const uint32_t* words, float* y) {
 #pragma unroll
-  for (int i = 0; i < kLaneDims; ++i) {
-    const uint32_t word = words[packed_word_of(i)];
-    y[i] = bits_f32(packed_half_of(i) ? word & 0xFFFF0000u : word << 16);
+  for (int w = 0; w < kLaneWords; ++w) {
+    y[(w / 4) * 8 + w % 4] = bits_f32(words[w] << 16);
+    y[(w / 4) * 8 + w % 4 + 4] = bits_f32(words[w] & 0xFFFF0000u);
   }
 }
 
@@ -68,10 +68,7 @@ __device__ __forceinline__ void quantize_packed_lane(const uint32_t* words, int 
   if constexpr (L == KVLayout::V41_FP4) {
     scale_byte = v41_fp4_scale_byte_of_bf16(amax);
     const E2m1Bf16PairEncoder encoder(e4m3_decode_finite(scale_byte));
-    uint32_t codes[kLaneWords], packed[kLaneDims / 8];
-#pragma unroll
-    for (int w = 0; w < kLaneWords; ++w) codes[w] = encoder.encode_bf16x2(words[w]);
-    assemble_e2m1_words<kLaneDims>(codes, packed);
+    const uint32_t packed[kLaneDims / 8] = {encoder.encode_word(words), encoder.encode_word(words + 4)};
     store_words<kLaneDims / 2>(rows.data + kLaneDims / 2 * lane, packed);
   } else {
     scale_byte = v41_scale_byte(amax);
