@@ -56,21 +56,18 @@ __device__ __forceinline__ RowIndices load_row_indices(const NormRopeParams& p, 
 template <RowSource S>
 __device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t token, const RowIndices& r,
                                             RowTarget& t) {
-  long long slot = r.slot, position = r.position;
-  if constexpr (S != RowSource::KWriter) {
+  if constexpr (S == RowSource::KWriter) {
+    t.slot = r.slot;
+    t.position = r.position;
+    return p.cache.valid(t.slot) && position_in_table(t.position, p.max_pos);
+  } else {
     const bool decode = S == RowSource::CompressDecode;
-    const CompressRowPick pick = pick_compress_row(decode, r.entry.x, r.entry.y, token, p.compress_ratio,
-                                                   p.out_loc_len);
-    position = pick.position;
-    if (!pick.take) {
-      slot = -1;
-    } else if (!decode) {
-      slot = p.out_loc[pick.out_loc_index];
-    }
+    const CompressRowPick pick = p.compress_rows.pick(decode, r.entry.x, r.entry.y, token);
+    if (!pick.take) return false;
+    t.slot = decode ? r.slot : p.out_loc[pick.out_loc_index];
+    t.position = pick.position;
+    return p.cache.valid(t.slot);
   }
-  t.slot = slot;
-  t.position = position;
-  return p.cache.valid(slot) && position_in_table(position, p.max_pos);
 }
 
 // The K writer and the prefill compress writer store every row but padding, so their row loads go
