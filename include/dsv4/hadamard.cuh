@@ -32,14 +32,16 @@ inline void hadamard128(float* v) {
 
 #if defined(__CUDACC__)
 
-// Group version: the 8 lanes of `mask` (an aligned group) hold one row, lane `sub` its v[16 sub .. 16 sub + 15].
+// Group version: an aligned group of 8 lanes holds one row, lane `sub` its v[16 sub .. 16 sub + 15]; `mask`
+// names the lanes of the warp barriers, the group or more (the whole warp where every lane of it that
+// has not exited calls this).
 // Stages h = 1..8 stay inside the lane. For h = 16, 32, 64 the row goes through `row` (shared memory,
 // kHadamardRowFloats floats, 16-byte aligned, private to the group) and comes back transposed: lane `sub`
 // then holds v[16k + 2 sub + e] (k = 0..7, e = 0, 1), so those stages pair k with k ^ 1, 2, 4 inside the
 // lane too. The multiply by c happens there, and the row goes back to the lane's 16 consecutive values.
 // The butterflies of a stage are independent, so this is the host's order. (Exchanging the last three
 // stages by shuffles instead cost a shuffle, two predicated adds and a move per value and stage: about
-// 200 instructions per warp against about 30 here.) Every lane of the group must call this.
+// 200 instructions per warp against about 30 here.) Every lane of `mask` that has not exited must call this.
 constexpr int kHadamardRowFloats = kIndexerDim + 16;  // the padding puts a half-warp's two rows on different banks
 
 // Where the row's 16-byte chunk q (v[4q .. 4q + 3]) lives in `row`: the XOR gives the eight lanes that
