@@ -418,6 +418,43 @@ def test_compress_rope_position_is_seq_len_minus_ratio(device, ratio):
         assert torch.equal(cache.cpu(), expected) == should_match, f"position shift {shift}"
 
 
+# Ratios besides the model's 4 and 128: odd, even non-power-of-two, 2^32 - 1 (seq_len 0xFFFFFFFF then closes a
+# block at position 0), and ratios >= 2^32, whose positions are all negative.
+ANY_RATIOS = [1, 3, 6, 100, 2**32 - 1, 2**32, 2**40]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["v41", "indexer_fp4"])
+@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("ratio", ANY_RATIOS)
+def test_compress_row_rule_any_ratio(device, variant, is_decode, ratio):
+    """§4 row selection for any compress_ratio >= 1, which the writers evaluate with 32-bit operations prepared
+    on the host (writer_rows.cuh): seq_len around the first multiples of the ratio, below it, at the end of the
+    table and near 2^32."""
+    gen = _gen("any ratio", variant, is_decode, ratio)
+    candidates = {s for k in range(1, 6) for s in (k * ratio - 1, k * ratio, k * ratio + 1)}
+    candidates |= {0, 1, ratio + MAX_POS - 1, ratio + MAX_POS, 2**31, 2**32 - 2, 2**32 - 1}
+    seq = sorted(s for s in candidates if s < 2**32)
+    n, page_size, num_pages = len(seq), 64, 1
+    fmt = _fmt(variant)
+    indexer = isinstance(fmt, IndexerFormat)
+    x, w, eps = _rows("general", gen, n, 128 if indexer else 512)
+    out_loc = torch.randperm(page_size, generator=gen)[:n]
+    plan = _plan(seq, torch.arange(n), gen)  # prefill: ragged_id i -> out_loc[i]
+    cache = PoisonedCache(fmt, page_size, num_pages, device, gen, random_fill=False, pool=False)
+    args = dict(norm_weight=w, norm_eps=eps, out_loc=out_loc, page_size=page_size,
+                layout=KVLayout.V4 if indexer else fmt, use_fp4=fmt is IndexerFormat.FP4, compress_ratio=ratio,
+                is_decode=is_decode)
+    ref.compress_norm_rope_store(x, plan, freq_cis=TABLE, kvcache=cache.ref, **args)
+    dev = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    dsv4.compress_norm_rope_store(x.to(device), plan.to(device), freq_cis=_table(device), kvcache=cache.dev, **dev)
+    cache.check(f"ratio {ratio}")
+    closes = [s % ratio == 0 if is_decode else s != 0xFFFFFFFF for s in seq]
+    written = any(c and ratio <= s < ratio + MAX_POS for s, c in zip(seq, closes))
+    assert written == (ratio < 2**32 - 1 or (ratio == 2**32 - 1 and is_decode))  # the case is the one meant
+    assert torch.equal(cache.expected, torch.full_like(cache.expected, 0xA5)) != written
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Reference pins (§7.4), also run through the ops
 

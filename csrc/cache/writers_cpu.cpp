@@ -29,12 +29,11 @@ bool k_writer_target(const NormRopeParams& p, int64_t row, RowTarget& t) {
 bool compress_target(const NormRopeParams& p, int64_t row, RowTarget& t) {
   uint32_t words[2];
   std::memcpy(words, p.plan + row * kPlanEntryBytes, sizeof(words));  // little-endian host
-  const CompressRowPick pick =
-      pick_compress_row(p.is_decode, words[0], words[1], row, p.compress_ratio, p.out_loc_len);
+  const CompressRowPick pick = p.compress_rows.pick(p.is_decode, words[0], words[1], row);
   if (!pick.take) return false;
   t.slot = p.out_loc[pick.out_loc_index];
   t.position = pick.position;
-  return p.cache.valid(t.slot) && position_in_table(t.position, p.max_pos);
+  return p.cache.valid(t.slot);
 }
 
 void load_weight(const NormRopeParams& p, int dim, float* w) {

@@ -57,21 +57,18 @@ __device__ __forceinline__ RowIndices load_row_indices(const NormRopeParams& p, 
 template <RowSource S>
 __device__ __forceinline__ bool resolve_row(const NormRopeParams& p, int64_t token, const RowIndices& r,
                                             RowTarget& t) {
-  long long slot = r.slot, position = r.position;
-  if constexpr (S != RowSource::KWriter) {
+  if constexpr (S == RowSource::KWriter) {
+    t.slot = r.slot;
+    t.position = r.position;
+    return p.cache.valid(t.slot) && position_in_table(t.position, p.max_pos);
+  } else {
     const bool decode = S == RowSource::CompressDecode;
-    const CompressRowPick pick = pick_compress_row(decode, r.entry.x, r.entry.y, token, p.compress_ratio,
-                                                   p.out_loc_len);
-    position = pick.position;
-    if (!pick.take) {
-      slot = -1;
-    } else if (!decode) {
-      slot = p.out_loc[pick.out_loc_index];
-    }
+    const CompressRowPick pick = p.compress_rows.pick(decode, r.entry.x, r.entry.y, token);
+    if (!pick.take) return false;
+    t.slot = decode ? r.slot : p.out_loc[pick.out_loc_index];
+    t.position = pick.position;
+    return p.cache.valid(t.slot);
   }
-  t.slot = slot;
-  t.position = position;
-  return p.cache.valid(slot) && position_in_table(position, p.max_pos);
 }
 
 // The K writer and the prefill compress writer store every row but padding, so their row loads go
@@ -292,7 +289,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
 // Compress indexer writer: RMSNorm, rotation of dims 64..127 and the Hadamard transform in fp32
 // (no bf16 rounding anywhere), then the indexer quantizer. Four rows per warp, 8 lanes x 16 dims each
 // (one row per warp left 4 dims of work per lane against the per-row index, reduction and shuffle
-// costs). A row's lanes leave together, and every shuffle names only them.
+// costs). A row's lanes leave together (they exit), and the shuffles exchange values only among them
+// but name the whole warp: exited lanes are excused, and a constant full mask spares the convergence
+// check the compiler wraps around shuffles with a computed mask (about 5 instructions each time).
 
 template <IndexerFormat F, bool KvFp32, RowSource S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(NormRopeParams p) {
@@ -300,7 +299,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
   __shared__ __align__(16) float hadamard_rows[kWarpsPerBlock * kIndexerRowsPerWarp][kHadamardRowFloats];
   const int lane = threadIdx.x & 31;
   const int sub = lane % kIndexerGroupLanes;
-  const unsigned mask = ((1u << kIndexerGroupLanes) - 1u) << (lane & ~(kIndexerGroupLanes - 1));
+  constexpr unsigned kWarp = 0xFFFFFFFFu;
   const int64_t token = (int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * kIndexerRowsPerWarp +
                         lane / kIndexerGroupLanes;
   pdl_wait_dependencies();
@@ -316,12 +315,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
 
   float x[D], y[D];
   widen_raw<D, KvFp32>(raw, x);
-  lanes_rms_norm<kIndexerDim / 32, D / (kIndexerDim / 32)>(x, w, p.eps, mask, y);
+  lanes_rms_norm<kIndexerDim / 32, D / (kIndexerDim / 32)>(x, w, p.eps, kWarp, y);
   if (rope_lane) {
 #pragma unroll
     for (int j = 0; j < D; j += 2) rotate_pair(y[j], y[j + 1], f[j], f[j + 1]);
   }
-  group_hadamard128(y, sub, mask, hadamard_rows[threadIdx.x / kIndexerGroupLanes]);
+  group_hadamard128(y, sub, kWarp, hadamard_rows[threadIdx.x / kIndexerGroupLanes]);
   const PagedCache::RowPointers rows = p.cache.rows_of(t.slot);
   quantize_indexer_lane<F, D>(y, sub, rows.data, rows.scale);
 }

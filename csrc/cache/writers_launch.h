@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cache_launch.h"
+#include "dsv4/writer_rows.cuh"
 
 namespace dsv4 {
 
@@ -18,9 +19,8 @@ struct NormRopeParams {
   int64_t max_pos;
   IndexInput positions;        // [n], K writer only
   IndexInput out_loc;
-  int64_t out_loc_len;
   const uint8_t* plan;         // [n, 16], compress writer only
-  int64_t compress_ratio;
+  CompressRowRule compress_rows;  // compress writers only
   bool is_decode;
   PagedCache cache;
   int64_t n;

@@ -35,7 +35,6 @@ void fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, double eps, Tensor fre
   p.max_pos = freqs.size(0);
   p.positions = index_input(positions);
   p.out_loc = index_input(out_loc);
-  p.out_loc_len = n;
   p.n = n;
   const auto kv_layout = static_cast<KVLayout>(layout);
   run_on_device(
@@ -83,9 +82,8 @@ void compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, double
   p.freqs = static_cast<const float*>(freqs.data_ptr());
   p.max_pos = freqs.size(0);
   p.out_loc = index_input(out_loc);
-  p.out_loc_len = out_loc.size(0);
   p.plan = static_cast<const uint8_t*>(plan.data_ptr());
-  p.compress_ratio = compress_ratio;
+  p.compress_rows = make_compress_row_rule(compress_ratio, p.max_pos, out_loc.size(0));
   p.is_decode = is_decode;
   p.n = n;
   const auto kv_layout = static_cast<KVLayout>(layout);

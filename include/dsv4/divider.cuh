@@ -1,6 +1,7 @@
 // Division of non-negative 31-bit integers by a divisor fixed on the host (ring size, SWA page size):
-// a multiply-high, an add and a shift instead of the GPU's ~15-instruction division sequence.
-// Shared by host and device so that both planners compute the same quotients.
+// a multiply-high, an add and a shift instead of the GPU's ~15-instruction division sequence; and a
+// divisibility test of any uint32 by such a divisor. Shared by host and device so that both compute
+// the same results.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,35 @@ inline Divider make_divider(uint32_t d) {
   while ((uint64_t(1) << l) < d) ++l;
   const uint64_t m = ((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1;
   return Divider{d, uint32_t(m), l};
+}
+
+// Whether d divides n, for any uint32 n and a divisor d in [1, 2^32) fixed on the host: a multiply, a
+// rotation and a compare. With d = d_odd * 2^shift and inverse = d_odd^-1 mod 2^32, n -> rotr(n * inverse,
+// shift) is a bijection of uint32 that maps each multiple k * d (k <= max_quotient = floor((2^32 - 1) / d))
+// to k: k * d * inverse = k * 2^shift mod 2^32, and k * 2^shift < 2^32. So exactly the multiples land at
+// or below max_quotient.
+struct DivisibilityTest {
+  uint32_t inverse, shift, max_quotient;
+
+  DSV4_HD bool divides(uint32_t n) const {
+    const uint32_t product = n * inverse;
+#if defined(__CUDA_ARCH__)
+    const uint32_t rotated = __funnelshift_r(product, product, shift);
+#else
+    const uint32_t rotated = shift == 0 ? product : (product >> shift) | (product << (32 - shift));
+#endif
+    return rotated <= max_quotient;
+  }
+};
+
+// Host side, once per call: d in [1, 2^32).
+inline DivisibilityTest make_divisibility_test(uint32_t d) {
+  uint32_t shift = 0;
+  while ((d >> shift) % 2 == 0) ++shift;
+  const uint32_t odd = d >> shift;
+  uint32_t inverse = odd;  // correct to 3 bits (odd * odd = 1 mod 8); each Newton step doubles them
+  for (int i = 0; i < 4; ++i) inverse *= 2u - odd * inverse;
+  return DivisibilityTest{inverse, shift, 0xFFFFFFFFu / d};
 }
 
 }  // namespace dsv4

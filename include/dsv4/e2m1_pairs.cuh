@@ -94,24 +94,30 @@ struct E2m1Bf16PairEncoder {
   }
 };
 
+// The e2m1 thresholds of E2m1ThresholdPairEncoder, t_0..t_6 in both bf16 halves (e2m1_threshold_pair),
+// in constant memory: a LOP3 takes one immediate, so a bitwise select between two immediate thresholds
+// costs two LOP3, and between two constant-bank or register operands one.
+static __constant__ uint32_t kE2m1ThresholdPairs[7] = {0x3E803E80u, 0x3F403F40u, 0x3FA03FA0u, 0x3FE03FE0u,
+                                                       0x40204020u, 0x40604060u, 0x40A040A0u};
+
 // The indexer fp4 encoder (e2m1_encode_threshold: thresholds strictly exceeded, never a negative zero) for
 // any fp32 values q, two at a time. A threshold t is a bf16 value, so q > t exactly when q's magnitude
 // rounded up to bf16 exceeds t: adding 0xFFFF to q's bits and keeping the high half rounds the
-// magnitude up for either sign (finite q; NaN and infinity are outside the writers' contract).
+// magnitude up for either sign (finite q; NaN and infinity are outside the writers' contract). The same
+// rounding keeps q's sign, so "q < 0 with a nonzero code" (the sign bit) is one compare, v < -t_0.
 struct E2m1ThresholdPairEncoder {
   __device__ __forceinline__ uint32_t encode_pair(float lo, float hi) const {
+    const uint32_t* t = kE2m1ThresholdPairs;
     const uint32_t v = __byte_perm(__float_as_uint(lo) + 0xFFFFu, __float_as_uint(hi) + 0xFFFFu, 0x7632);
     const uint32_t a = v & 0x7FFF7FFFu;
-    uint32_t t[7];
-#pragma unroll
-    for (int i = 0; i < 7; ++i) t[i] = e2m1_threshold_pair(i);
-    const uint32_t m4 = bf16x2_gt_mask(a, t[3]);
+    const uint32_t m4 = bf16x2_gt_mask(a, e2m1_threshold_pair(3));
     const uint32_t m2 = bf16x2_gt_mask(a, select_bits(m4, t[5], t[1]));
     const uint32_t last = select_bits(m4, select_bits(m2, t[6], t[4]), select_bits(m2, t[2], t[0]));
     const uint32_t m1 = bf16x2_gt_mask(a, last);
+    const uint32_t negative = bf16x2_gt_mask(e2m1_threshold_pair(0) | 0x80008000u, v);  // v < -t_0
     uint32_t code = select_bits(0x00040004u, m4, m2);
     code = select_bits(0x00060006u, code, m1);
-    code = select_bits(0x00080008u, (v >> 12) & (m4 | m2 | m1), code);  // the sign of a nonzero code
+    code = select_bits(0x00070007u, code, negative);
     return code & 0x000F000Fu;
   }
 };

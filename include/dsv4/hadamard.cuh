@@ -32,19 +32,24 @@ inline void hadamard128(float* v) {
 
 #if defined(__CUDACC__)
 
-// Group version: the 8 lanes of `mask` (an aligned group) hold one row, lane `sub` its v[16 sub .. 16 sub + 15].
-// Stages h = 1..8 stay inside the lane. For h = 16, 32, 64 the row goes through `row` (shared memory,
-// kHadamardRowFloats floats, 16-byte aligned, private to the group) and comes back transposed: lane `sub`
-// then holds v[16k + 2 sub + e] (k = 0..7, e = 0, 1), so those stages pair k with k ^ 1, 2, 4 inside the
-// lane too. The multiply by c happens there, and the row goes back to the lane's 16 consecutive values.
-// The butterflies of a stage are independent, so this is the host's order. (Exchanging the last three
-// stages by shuffles instead cost a shuffle, two predicated adds and a move per value and stage: about
-// 200 instructions per warp against about 30 here.) Every lane of the group must call this.
-constexpr int kHadamardRowFloats = kIndexerDim + 16;  // the padding puts a half-warp's two rows on different banks
-
-// Where the row's 16-byte chunk q (v[4q .. 4q + 3]) lives in `row`: the XOR gives the eight lanes that
-// store or load the chunks 4 sub + c (one c) eight different bank quads.
-__device__ __forceinline__ int hadamard_chunk(int q) { return q ^ ((q >> 3) & 3); }
+// Group version: an aligned group of 8 lanes holds one row, lane `sub` its v[16 sub .. 16 sub + 15]; `mask`
+// names the lanes of the warp barriers, the group or more (the whole warp where every lane of it that
+// has not exited calls this). Stages h = 1..8 stay inside the lane. For h = 16, 32, 64 the row goes through
+// `row` (shared memory, kHadamardRowFloats floats, 16-byte aligned, private to the group) and comes back
+// transposed: lane `sub` then holds v[16k + 2 sub + e] (k = 0..7, e = 0, 1), so those stages pair k with
+// k ^ 1, 2, 4 inside the lane too. The multiply by c happens there, and the row goes back to the lane's 16
+// consecutive values. The butterflies of a stage are independent, so this is the host's order. (Exchanging
+// the last three stages by shuffles instead cost a shuffle, two predicated adds and a move per value and
+// stage: about 200 instructions per warp against about 30 here.) Every lane of `mask` that has not exited
+// must call this.
+//
+// In `row`, v[16 s + j] sits at float kHadamardLaneFloats * s + j: the 4 padding floats per lane put the
+// 16-byte chunks that the eight lanes store or load at once (one per lane, same j) on eight different bank
+// quads, and the transposed accesses of a lane (v[16k + 2 sub + e] for all k) lie at one base plus
+// constant offsets, so every access is one register plus an immediate.
+constexpr int kHadamardLaneFloats = kIndexerGroupLaneDims + 4;
+// The extra 16 floats put a half-warp's two rows on different banks.
+constexpr int kHadamardRowFloats = kIndexerGroupLanes * kHadamardLaneFloats + 16;
 
 __device__ __forceinline__ void butterfly(float& a, float& b) {
   const float sum = __fadd_rn(a, b);
@@ -62,19 +67,17 @@ __device__ __forceinline__ void group_hadamard128(float* v, int sub, unsigned ma
       if ((i & h) == 0) butterfly(v[i], v[i + h]);
     }
   }
+  float4* own = reinterpret_cast<float4*>(row + kHadamardLaneFloats * sub);  // v[16 sub .. 16 sub + 15]
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    *reinterpret_cast<float4*>(row + 4 * hadamard_chunk(4 * sub + c)) =
-        make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
-  }
+  for (int c = 0; c < 4; ++c) own[c] = make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
   __syncwarp(mask);
-  // u[2k + e] = v[16k + 2 sub + e]: chunk 4k + sub / 2, floats 2 (sub & 1) and 2 (sub & 1) + 1 of it.
-  float2* pair[D / 2];
+  // u[2k + e] = v[16k + 2 sub + e].
+  float2* column = reinterpret_cast<float2*>(row + 2 * sub);
+  constexpr int kLaneStride = kHadamardLaneFloats / 2;  // in float2
   float u[D];
 #pragma unroll
   for (int k = 0; k < D / 2; ++k) {
-    pair[k] = reinterpret_cast<float2*>(row + 4 * hadamard_chunk(4 * k + sub / 2) + 2 * (sub & 1));
-    const float2 t = *pair[k];
+    const float2 t = column[kLaneStride * k];
     u[2 * k] = t.x;
     u[2 * k + 1] = t.y;
   }
@@ -91,11 +94,13 @@ __device__ __forceinline__ void group_hadamard128(float* v, int sub, unsigned ma
   const float scale = __uint_as_float(kHadamardScaleBits);
   __syncwarp(mask);  // every lane has read the row before it is overwritten
 #pragma unroll
-  for (int k = 0; k < D / 2; ++k) *pair[k] = make_float2(__fmul_rn(u[2 * k], scale), __fmul_rn(u[2 * k + 1], scale));
+  for (int k = 0; k < D / 2; ++k) {
+    column[kLaneStride * k] = make_float2(__fmul_rn(u[2 * k], scale), __fmul_rn(u[2 * k + 1], scale));
+  }
   __syncwarp(mask);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const float4 t = *reinterpret_cast<const float4*>(row + 4 * hadamard_chunk(4 * sub + c));
+    const float4 t = own[c];
     v[4 * c] = t.x;
     v[4 * c + 1] = t.y;
     v[4 * c + 2] = t.z;

@@ -103,7 +103,8 @@ struct PagedCache {
   bool compact;
 
   DSV4_HD int64_t capacity() const { return num_pages << page_bits; }
-  DSV4_HD bool valid(int64_t slot) const { return slot >= 0 && slot < capacity(); }
+  // slot in [0, capacity()) as one unsigned compare: a negative slot wraps above any capacity.
+  DSV4_HD bool valid(int64_t slot) const { return uint64_t(slot) < uint64_t(capacity()); }
   DSV4_HD int64_t page_base(int64_t slot) const { return (slot >> page_bits) * page_stride; }
   DSV4_HD int64_t row(int64_t slot) const { return slot & ((int64_t(1) << page_bits) - 1); }
   DSV4_HD int64_t data_offset(int64_t slot) const {

@@ -56,7 +56,8 @@ inline void rms_norm_row(const float* x, const float* w, float eps, float* y) {
 }
 
 #if defined(__CUDACC__)
-// RMSNorm of a D = 32 * G row held by an aligned group of 32 / LaneGroups lanes (`mask`), each holding
+// RMSNorm of a D = 32 * G row held by an aligned group of 32 / LaneGroups lanes (`mask` names the lanes
+// of the shuffles: the group, or the whole warp where every lane that has not exited calls this), each holding
 // LaneGroups consecutive groups of G dims of §1.2 (x: its G * LaneGroups values, w: their weights; y
 // receives its outputs). Step 1 stays in the lane. In step 2, a level h >= LaneGroups pairs group g
 // with group g + h, which sits at the same place on lane ^ (h / LaneGroups): shfl_xor, where lane and

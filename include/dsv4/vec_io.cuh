@@ -145,13 +145,20 @@ __device__ __forceinline__ void store_f32(float* dst, const float* v) {
   }
 }
 
-// Max over an aligned group of `lanes` lanes (a power of two <= 32) of finite values (tile amax). The
-// shuffle mask names only the group, so a group may leave early while others of its warp continue.
+// Max over an aligned group of `lanes` lanes (a power of two <= 32) of finite values (tile amax).
+// `members` names the lanes taking part in the shuffles: the group itself (the default: a group may then
+// leave early or wait elsewhere while others of its warp continue), or the whole warp where every lane
+// that has not exited calls this (a constant full mask spares the convergence check that the compiler
+// wraps around shuffles with a computed mask, about 5 instructions).
+__device__ __forceinline__ float warp_max_xor(float v, int lanes, unsigned members) {
+  for (int mask = 1; mask < lanes; mask <<= 1) v = fmaxf(v, __shfl_xor_sync(members, v, mask));
+  return v;
+}
+
 __device__ __forceinline__ float warp_max_xor(float v, int lanes) {
   const unsigned lane = threadIdx.x & 31;
   const unsigned group = lanes >= 32 ? 0xFFFFFFFFu : (((1u << lanes) - 1u) << (lane & ~unsigned(lanes - 1)));
-  for (int mask = 1; mask < lanes; mask <<= 1) v = fmaxf(v, __shfl_xor_sync(group, v, mask));
-  return v;
+  return warp_max_xor(v, lanes, group);
 }
 
 }  // namespace dsv4

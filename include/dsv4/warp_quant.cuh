@@ -112,7 +112,8 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint
 // Quantizes this lane's LaneDims values of an indexer row held by 128 / LaneDims adjacent lanes
 // (`sub` = the lane's index among them). fp8: one tile of 128, its fp32 scale stored by sub-lane 0;
 // fp4: tiles of 32, each scale byte stored by the tile's first lane. The data row is only 4-byte
-// aligned in general (indexer caches), so wide stores are chosen from the address.
+// aligned in general (indexer caches), so wide stores are chosen from the address. Every lane of the
+// warp that has not exited must call this (the tile amax shuffles name the whole warp).
 template <IndexerFormat F, int LaneDims>
 __device__ __forceinline__ void quantize_indexer_lane(const float* x, int sub, uint8_t* data,
                                                       uint8_t* scale) {
@@ -121,7 +122,7 @@ __device__ __forceinline__ void quantize_indexer_lane(const float* x, int sub, u
   float amax = abs_max<LaneDims>(x);
   uint32_t words[LaneDims / 4];  // fp8: 4 codes per word; fp4: 8 codes per word (first half used)
   if constexpr (F == IndexerFormat::FP8) {
-    amax = warp_max_xor(amax, kLanesPerRow);
+    amax = warp_max_xor(amax, kLanesPerRow, 0xFFFFFFFFu);
     const float s = __fdiv_rn(fmax_f32(amax, amax_floor()), kE4m3Max);
     const float inv = __fdiv_rn(1.0f, s);
 #pragma unroll
@@ -146,7 +147,7 @@ __device__ __forceinline__ void quantize_indexer_lane(const float* x, int sub, u
     constexpr int kTile = IndexerTraits<F>::kTile;
     constexpr int kLanesPerTile = kTile / LaneDims;
     static_assert(kTile % LaneDims == 0, "a lane's values lie in one tile");
-    amax = warp_max_xor(amax, kLanesPerTile);
+    amax = warp_max_xor(amax, kLanesPerTile, 0xFFFFFFFFu);
     const uint8_t b = indexer_fp4_scale_byte(amax);
     const float inv = inverse_scale_of_byte(b);
     float q[LaneDims];
