@@ -63,8 +63,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) dequant_kernel(DequantPar
   const int64_t slot = p.slots[token];
   uint16_t out[kLaneDims];
   if (p.cache.valid(slot)) {
-    const PagedCache::RowPointers rows = p.cache.rows_of(slot);
-    dequant_lane<L>(rows.data, rows.scale, lane, out);
+    dequant_lane<L>(p.cache.data_row(slot), p.cache.scale_row(slot), lane, out);
   } else {
 #pragma unroll
     for (int i = 0; i < kLaneDims; ++i) out[i] = 0;

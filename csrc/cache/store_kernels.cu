@@ -42,8 +42,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
     }
   }
   pdl_launch_dependents();
-  const PagedCache::RowPointers rows = p.cache.rows_of(slot);
-  quantize_main_lane<L, !InputFp32>(x, lane, rows.data, rows.scale);
+  quantize_main_lane<L, !InputFp32>(x, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
 // Indexer rows: four per warp, 8 lanes x 16 dims each (warp_quant.cuh).
@@ -63,8 +62,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_indexer_kernel(Stor
   float x[kIndexerGroupLaneDims];
   load_widen<kIndexerGroupLaneDims, InputFp32>(row + sub * kIndexerGroupLaneDims * elem, x);
   pdl_launch_dependents();
-  const PagedCache::RowPointers rows = p.cache.rows_of(slot);
-  quantize_indexer_lane<F, kIndexerGroupLaneDims>(x, sub, rows.data, rows.scale);
+  quantize_indexer_lane<F, kIndexerGroupLaneDims>(x, sub, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
 // One warp per unit of work (a main row, or four indexer rows).

@@ -117,24 +117,31 @@ __device__ __forceinline__ void round_lane_to_bf16(float* v) {
 }
 
 // Normalizes, rotates and quantizes one main row (this lane's input values x and weights w; cs = its
-// RoPE table pair) into the cache rows `rows`. V4 quantizes the nope dims of y (rounded to bf16 first on
-// the compress path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4 round y to bf16, rotate the
-// bf16 tail, round again and quantize all 512 values (§1.6), on packed bf16 words from the first rounding.
-template <KVLayout L, RowSource S>
+// RoPE table pair) into `slot` (CompactSlots: the cache is compact). V4 quantizes the nope dims of y
+// (rounded to bf16 first on the compress path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4
+// round y to bf16, rotate the bf16 tail, round again and quantize all 512 values (§1.6), on packed bf16
+// words from the first rounding.
+template <KVLayout L, RowSource S, bool CompactSlots = false>
 __device__ __forceinline__ void norm_rope_quantize_row(const NormRopeParams& p, const float* x, const float* w,
-                                                       float2 cs, PagedCache::RowPointers rows, int lane,
-                                                       float2* tail) {
+                                                       float2 cs, int64_t slot, int lane, float2* tail) {
+  // The row pointers are formed where they are used: formed before the arithmetic, they held four more
+  // registers across it (under the one-row kernel's 48-register bound) and the compress writer ran 5-20 %
+  // slower.
+  auto rows = [&] {
+    return CompactSlots ? p.cache.compact_rows_of(uint32_t(slot)) : p.cache.rows_of(slot);
+  };
   float y[kLaneDims];
   warp_rms_norm<kLaneDims>(x, w, p.eps, y);
   if constexpr (L == KVLayout::V4) {
     if (S != RowSource::KWriter && lane < kRopeFirstLane) round_lane_to_bf16(y);
     rotate_tail_across_warp(y, cs, lane, tail);
-    quantize_main_lane<L, false>(y, lane, rows.data, rows.scale);
+    const PagedCache::RowPointers target = rows();
+    quantize_main_lane<L, false>(y, lane, target.data, target.scale);
   } else {
     uint32_t words[kLaneWords];
     pack_lane_bf16(y, words);
     rotate_packed_tail_across_warp(words, cs, lane, reinterpret_cast<uint32_t*>(tail));
-    quantize_packed_lane<L>(words, lane, rows);
+    quantize_packed_lane<L>(words, lane, rows());
   }
 }
 
@@ -144,7 +151,7 @@ __device__ __forceinline__ void write_main_row(const NormRopeParams& p, const Ra
   const float2 cs = load_table_pair(p.freqs + t.position * kRopeDim, lane);
   float x[kLaneDims];
   widen_raw<kLaneDims, KvFp32>(raw, x);
-  norm_rope_quantize_row<L, S>(p, x, w, cs, p.cache.rows_of(t.slot), lane, tail);
+  norm_rope_quantize_row<L, S>(p, x, w, cs, t.slot, lane, tail);
 }
 
 // K writer (S == KWriter) and compress main writer, one row per warp. The bound of 10 blocks per SM
@@ -280,8 +287,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     if (slot < 0) continue;  // warp-uniform
     float x[kLaneDims];
     widen_raw<kLaneDims, KvFp32>(raw, x);
-    norm_rope_quantize_row<L, RowSource::KWriter>(p, x, w, cs, p.cache.compact_rows_of(uint32_t(slot)), lane,
-                                                  tails[warp]);
+    norm_rope_quantize_row<L, RowSource::KWriter, true>(p, x, w, cs, slot, lane, tails[warp]);
   }
   pdl_launch_dependents();  // after the warp's last global read
 }

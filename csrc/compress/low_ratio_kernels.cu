@@ -129,8 +129,7 @@ __device__ __forceinline__ void norm_rope_store4(const LowRatioParams& p, int64_
   if constexpr (L != KVLayout::V41_FP4) {
     fake_quant_compressed_bf16_values<4>(v, warp_max_xor(abs_max<4>(v), kQuadThreads));
   }
-  const PagedCache::RowPointers rows = p.cache.rows_of(slot);
-  quantize_main_lane<L, true, kThreadDims>(v, threadIdx.x, rows.data, rows.scale);
+  quantize_main_lane<L, true, kThreadDims>(v, threadIdx.x, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
 // c1: the row and the weight do not depend on the indices, so their loads are issued before the index
