@@ -261,9 +261,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     }
   }
   // This lane's RoPE table pair of row i (the table is 8-byte aligned: host check).
+  const float2* lane_table = reinterpret_cast<const float2*>(p.freqs) + lane;
   auto table_pair = [&](int i) {
     const int32_t position = __shfl_sync(kAll, position_j, i);
-    return __ldg(reinterpret_cast<const float2*>(p.freqs + int64_t(position) * kRopeDim) + lane);
+    return __ldg(lane_table + int64_t(position) * (kRopeDim / 2));
   };
   float2 cs_next = table_pair(0);
   int stage = 0;
@@ -271,7 +272,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
   for (int i = 0; i < count; ++i) {
     const int32_t slot = __shfl_sync(kAll, slot_j, i);
     const float2 cs = cs_next;
-    if (i + 1 < count) cs_next = table_pair(i + 1);
+    cs_next = table_pair(min(i + 1, count - 1));  // the last row loads its own pair again: no branch
     mbarrier_wait(arrived_at + 8 * stage, phase);
     const RawElements<kLaneDims, KvFp32> raw = read_lane_from_shared<KvFp32>(rows[warp][stage], lane);
     // The refill of this stage waits until every lane's reads of it are done (the arrivals release them).

@@ -25,8 +25,9 @@ __device__ __forceinline__ float2 load_table_pair(const float* table_row, int la
 // this warp's 32 float2 (16-byte aligned) of shared memory, so the rotation costs one pair of work on all
 // lanes instead of eight pairs serialized on four. Same operations per pair as rotating in place, so the
 // same bits. V4's fp32 tail; `cs` = load_table_pair of the row's position. All lanes must call.
+// No barrier opens a call: a tail lane's stores only follow its own reads of the previous call, and every
+// other access of that call ended before the barrier that preceded them.
 __device__ __forceinline__ void rotate_tail_across_warp(float* y, float2 cs, int lane, float2* tail) {
-  __syncwarp();  // a previous call's reads of `tail` are done
   if (lane >= kRopeFirstLane) {
     float4* dst = reinterpret_cast<float4*>(tail + (lane - kRopeFirstLane) * (kLaneDims / 2));
 #pragma unroll
@@ -50,10 +51,9 @@ __device__ __forceinline__ void rotate_tail_across_warp(float* y, float2 cs, int
 // The same for the bf16 tail of a packed lane (packed_lane.cuh; V41 / V41_FP4), rounding each rotated pair
 // to bf16: the tail lanes store their words (32 words, 16-byte aligned, in `tail`), lane l rotates values
 // 2m, 2m + 1 (m = l % 8) of tail lane l / 8, which sit in the same half of two adjacent words, writes
-// the rounded pair back in place, and the tail lanes reload their words.
+// the rounded pair back in place, and the tail lanes reload their words (no opening barrier, as above).
 __device__ __forceinline__ void rotate_packed_tail_across_warp(uint32_t* words, float2 cs, int lane,
                                                                uint32_t* tail) {
-  __syncwarp();  // a previous call's reads of `tail` are done
   if (lane >= kRopeFirstLane) {
     uint4* dst = reinterpret_cast<uint4*>(tail + (lane - kRopeFirstLane) * kLaneWords);
     dst[0] = make_uint4(words[0], words[1], words[2], words[3]);
