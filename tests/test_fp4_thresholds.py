@@ -65,6 +65,16 @@ def test_threshold_products_equal_ieee_division(device):
     assert torch.equal(cache[:, 256:288].cpu(), scale)
 
 
+def assert_bf16_store_equals_reference(rows: torch.Tensor, device: str) -> None:
+    """bf16 rows stored as V41_FP4 through fused_store_cache (page size 1) equal the reference quantizer's rows."""
+    cache = torch.zeros(rows.shape[0], dsv4.KVLayout.V41_FP4.page_bytes(1), dtype=torch.uint8, device=device)
+    slots = torch.arange(rows.shape[0], device=device)
+    dsv4.fused_store_cache(rows.to(device), cache, slots, page_size=1, layout="v41_fp4")
+    data, scale = ref.quantize_rows(rows.float(), dsv4.KVLayout.V41_FP4)
+    assert torch.equal(cache[:, :256].cpu(), data)
+    assert torch.equal(cache[:, 256:288].cpu(), scale)
+
+
 def bf16_sweep_rows() -> torch.Tensor:
     """bf16 rows of 16-value blocks: element 0 is 6*S (the block scale is exactly the e4m3 value S), the
     others walk every bf16 value within +-64 bf16 ulps of each t*S (clamped to 6*S), both signs."""
@@ -83,12 +93,7 @@ def test_bf16_pair_encoder_equals_reference(device):
         pytest.skip("needs a CUDA GPU")
     rows = bf16_sweep_rows()
     assert rows.shape[0] > 200
-    cache = torch.zeros(rows.shape[0], dsv4.KVLayout.V41_FP4.page_bytes(1), dtype=torch.uint8, device=device)
-    slots = torch.arange(rows.shape[0], device=device)
-    dsv4.fused_store_cache(rows.to(device), cache, slots, page_size=1, layout="v41_fp4")
-    data, scale = ref.quantize_rows(rows.float(), dsv4.KVLayout.V41_FP4)
-    assert torch.equal(cache[:, :256].cpu(), data)
-    assert torch.equal(cache[:, 256:288].cpu(), scale)
+    assert_bf16_store_equals_reference(rows, device)
 
 
 def test_v41_fp4_scale_of_bf16_amax_by_multiply():
@@ -121,12 +126,7 @@ def test_bf16_amax_sweep_equals_reference(device):
         pytest.skip("needs a CUDA GPU")
     rows = bf16_amax_sweep_rows()
     assert rows.shape[0] * 32 >= 0x7F7F
-    cache = torch.zeros(rows.shape[0], dsv4.KVLayout.V41_FP4.page_bytes(1), dtype=torch.uint8, device=device)
-    slots = torch.arange(rows.shape[0], device=device)
-    dsv4.fused_store_cache(rows.to(device), cache, slots, page_size=1, layout="v41_fp4")
-    data, scale = ref.quantize_rows(rows.float(), dsv4.KVLayout.V41_FP4)
-    assert torch.equal(cache[:, :256].cpu(), data)
-    assert torch.equal(cache[:, 256:288].cpu(), scale)
+    assert_bf16_store_equals_reference(rows, device)
 
 
 def indexer_sweep_rows() -> torch.Tensor:
