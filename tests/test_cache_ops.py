@@ -227,8 +227,8 @@ def test_T2_large_offset_cuda(ref, fmt, slot_dtype):
 @cuda_only
 @pytest.mark.parametrize("fmt", [V41_FP4, IDX_FP4], ids=fmt_id)
 def test_T2_page_stride_beyond_32_bits_cuda(ref, fmt):
-    """A page stride above 2^32 bytes (the kernels' 64-bit row offsets; a compact cache takes 32-bit ones):
-    two pages 4 GiB apart, rows stored into both and read back, against the same rows in a contiguous cache."""
+    """A page stride above 2^32 bytes: two pages 4 GiB apart, rows stored into both and read back, against the
+    same rows in a contiguous cache."""
     p, stride = 64, 2**32 + 4096
     pb = fmt.page_bytes(p)
     buffer = torch.full((stride + pb,), 0xFF, dtype=torch.uint8, device="cuda")

@@ -459,6 +459,42 @@ def test_compress_row_rule_any_ratio(device, variant, is_decode, ratio):
 # Reference pins (§7.4), also run through the ops
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["v41_fp4", "indexer_fp4"])
+def test_page_stride_beyond_32_bits(variant):
+    """A cache whose page stride passes 2^32 bytes is not compact (PagedCache::rows_of takes its 64-bit
+    offsets): the writer's bytes in two pages 4 GiB apart equal those it writes into a contiguous cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    fmt, p, n = _fmt(variant), 64, 8
+    gen = _gen("stride32", variant)
+    pb, stride = fmt.page_bytes(p), 2**32 + 4096
+    buffer = torch.full((stride + pb,), 0xA5, dtype=torch.uint8, device="cuda")
+    try:
+        strided = buffer.as_strided((2, pb), (stride, 1))
+        contiguous = torch.full((2, pb), 0xA5, dtype=torch.uint8, device="cuda")
+        if variant.startswith("indexer"):
+            x, w, eps = _rows("general", gen, n, 128)
+            plan = _plan([8 * (i + 1) for i in range(n)], [0] * n, gen).cuda()
+            out_loc = torch.tensor([p + 5, 3, p + 60, 0, 17, p + 1, 63, p], device="cuda")
+            for cache in (strided, contiguous):
+                dsv4.compress_norm_rope_store(x.cuda(), plan, norm_weight=w.cuda(), norm_eps=eps,
+                                              freq_cis=_table("cuda"), out_loc=out_loc, kvcache=cache, page_size=p,
+                                              layout=KVLayout.V4, use_fp4=True, compress_ratio=4, is_decode=True)
+        else:
+            x, w, eps = _rows("general", gen, n, 512)
+            positions = torch.arange(n, device="cuda")
+            out_loc = torch.tensor([p + 5, 3, p + 60, 0, 17, p + 1, 63, -1], device="cuda")
+            for cache in (strided, contiguous):
+                dsv4.fused_k_norm_rope_flashmla(x.cuda(), w.cuda(), eps, _table("cuda"), positions, out_loc, cache,
+                                                page_size=p, layout=fmt)
+        assert not torch.equal(contiguous.cpu(), torch.full_like(contiguous.cpu(), 0xA5))
+        assert_same_bytes(strided.cpu(), contiguous.cpu(), "pages 4 GiB apart")
+    finally:
+        del buffer
+        torch.cuda.empty_cache()
+
+
 def _identity_table(rows: int = 8) -> torch.Tensor:
     t = torch.zeros(rows, 64)
     t[:, 0::2] = 1.0

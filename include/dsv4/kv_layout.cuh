@@ -98,8 +98,8 @@ struct PagedCache {
   int page_bits;        // log2(page_size)
   int data_bytes;
   int scale_bytes;
-  // Slots fit int32 and page_stride fits uint32 (capacity() <= INT32_MAX, set by the host check): every
-  // real cache (2^31 slots of the smallest format take 146 GB), so rows_of can use 32-bit offsets.
+  // capacity() <= INT32_MAX and page_stride <= UINT32_MAX (set by the host check; true of every real
+  // cache: 2^31 slots of the smallest format take 146 GB), so rows_of can use 32-bit offsets.
   bool compact;
 
   DSV4_HD int64_t capacity() const { return num_pages << page_bits; }
