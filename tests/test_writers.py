@@ -455,10 +455,6 @@ def test_compress_row_rule_any_ratio(device, variant, is_decode, ratio):
     assert torch.equal(cache.expected, torch.full_like(cache.expected, 0xA5)) != written
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Reference pins (§7.4), also run through the ops
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant", ["v41_fp4", "indexer_fp4"])
 def test_page_stride_beyond_32_bits(variant):
@@ -493,6 +489,10 @@ def test_page_stride_beyond_32_bits(variant):
     finally:
         del buffer
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reference pins (§7.4), also run through the ops
 
 
 def _identity_table(rows: int = 8) -> torch.Tensor:
