@@ -38,7 +38,7 @@ struct CompressRowRule {
   // seq_len = bytes 0..3, word1 = bytes 4..7 (prefill: ragged_id in its low 16 bits). Decode: row b
   // closes a block iff seq_len % ratio == 0, slot out_loc[b]. Prefill: every non-padding entry closes a
   // block, slot out_loc[ragged_id] if that index exists. Both: position = seq_len - ratio, which must be
-  // in [0, max_pos). The tests are combined with & rather than &&: a few plain ALU operations cost the
+  // in [0, max_pos). `take` combines its tests with & rather than &&: a few plain ALU operations cost the
   // device less than the predication of a short-circuit.
   DSV4_HD CompressRowPick pick(bool is_decode, uint32_t seq_len, uint32_t word1, int64_t row) const {
     CompressRowPick pick{};
