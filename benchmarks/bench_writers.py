@@ -1,6 +1,8 @@
 """Norm + RoPE writer benchmarks: fused_k_norm_rope_flashmla (every main layout) and
 compress_norm_rope_store (main layouts and both indexer formats, decode plans at ratio 4), at decode sizes
-under CUDA-graph replay and at large N (consecutive and random slots), against compiled torch.
+under CUDA-graph replay and at large N (consecutive and random slots), against compiled torch. At 65536
+rows the compress writer also runs the same rows as a prefill plan (the shape of a real large-N call: a
+prefill emits one compressed row per `ratio` tokens; ragged ids are 16-bit, so a plan holds <= 65536 rows).
 
     python -m benchmarks.bench_writers [--only k_writer,compress] [--no-torch]
 """
@@ -14,7 +16,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import IndexerFormat, KVLayout
 
 from . import torch_impls_writers as torch_impls
-from .harness import torch_baseline_us, Bench, compiled, row
+from .harness import torch_baseline_us, Bench, compiled, flat_copy_single_us, row
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 LARGE_SIZES = (65536, 1 << 20)
@@ -25,6 +27,7 @@ MAX_POS = 65536
 RATIO = 4
 EPS = 1e-6
 TABLE_ROW_BYTES = 256
+MAX_PREFILL_ROWS = 1 << 16  # ragged ids are 16-bit
 
 # (op, format): the K writer over the main layouts, the compress writer over main and indexer formats.
 CASES = [("k_writer", layout) for layout in KVLayout] + [("compress", fmt) for fmt in (*KVLayout, *IndexerFormat)]
@@ -43,9 +46,10 @@ def _cache(fmt, tokens):
     return torch.randint(0, 256, (pages, fmt.page_bytes(PAGE)), dtype=torch.uint8, device="cuda")
 
 
-def _inputs(op, fmt, slots, table):
+def _inputs(op, fmt, slots, table, prefill=False):
     """One call's inputs: bf16 kv for the K writer (a column of the fused QKV output in a model), fp32 kv
-    for the compress writer (the compressor emits fp32) with a decode plan whose every row emits."""
+    for the compress writer (the compressor emits fp32) with a decode plan whose every row emits, or
+    (prefill) a prefill plan of the same rows: entry r carries ragged id r, so its slot is out_loc[r]."""
     n = slots.shape[0]
     d = 512 if isinstance(fmt, KVLayout) else 128
     inputs = dict(weight=torch.randn(d, device="cuda").to(torch.bfloat16), table=table)
@@ -57,7 +61,9 @@ def _inputs(op, fmt, slots, table):
         seq_len = RATIO * torch.randint(1, MAX_POS // RATIO + 1, (n,), device="cuda", dtype=torch.int32)
         plan = torch.zeros(n, 16, dtype=torch.uint8, device="cuda")
         plan[:, :4] = seq_len.view(torch.uint8).view(n, 4)
-        inputs.update(kv=torch.randn(n, d, device="cuda"), plan=plan, out_loc=slots.long())
+        if prefill:
+            plan[:, 4:8] = torch.arange(n, device="cuda", dtype=torch.int32).view(torch.uint8).view(n, 4)
+        inputs.update(kv=torch.randn(n, d, device="cuda"), plan=plan, out_loc=slots.long(), is_decode=not prefill)
     return inputs
 
 
@@ -78,7 +84,7 @@ def _ours(op, fmt):
     return lambda a, cache: dsv4.compress_norm_rope_store(
         a["kv"], a["plan"], norm_weight=a["weight"], norm_eps=EPS, freq_cis=a["table"], out_loc=a["out_loc"],
         kvcache=cache, page_size=PAGE, layout=KVLayout.V4 if indexer else fmt, use_fp4=fmt is IndexerFormat.FP4,
-        compress_ratio=RATIO, is_decode=True)
+        compress_ratio=RATIO, is_decode=a["is_decode"])
 
 
 _COMPILED = {}
@@ -101,7 +107,7 @@ def _theirs(op, fmt):
 
 
 def _target_large(op, fmt, pattern):
-    if pattern != "consecutive":
+    if pattern == "random":
         return ""
     alu_bound = fmt is KVLayout.V41_FP4 or (op == "compress" and isinstance(fmt, IndexerFormat))
     return ">= 70 %" if alu_bound else ">= 85 %"
@@ -126,13 +132,19 @@ def _large(bench, results, op, fmt, table, with_torch):
     theirs = _theirs(op, fmt) if with_torch else None
     for n in LARGE_SIZES:
         cache = _cache(fmt, n)
-        for pattern in ("consecutive", "random"):
-            slots = torch.arange(n, device="cuda") if pattern == "consecutive" else torch.randperm(n, device="cuda")
-            a = _inputs(op, fmt, slots, table)
+        patterns = ["consecutive", "random"] + (["prefill"] if op == "compress" and n <= MAX_PREFILL_ROWS else [])
+        for pattern in patterns:
+            slots = torch.randperm(n, device="cuda") if pattern == "random" else torch.arange(n, device="cuda")
+            a = _inputs(op, fmt, slots, table, prefill=pattern == "prefill")
             us = bench.time_single(lambda: ours(a, cache))
-            t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(a, cache))) if theirs else None
+            t_us = None  # the torch version plans decode rows only
+            if theirs and pattern != "prefill":
+                t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(a, cache)))
+            nbytes = _bytes(op, fmt, a)
+            # Consecutive slots: also against a plain copy of the same bytes at this size (the ceiling there).
+            extra = dict(baseline_us=flat_copy_single_us(bench, nbytes)) if pattern != "random" else {}
             results.append(row(bench, family="writers", op=op, case=f"{_name(fmt)} {pattern}", n=n, us=us,
-                               nbytes=_bytes(op, fmt, a), torch_us=t_us, target=_target_large(op, fmt, pattern)))
+                               nbytes=nbytes, torch_us=t_us, target=_target_large(op, fmt, pattern), **extra))
 
 
 def run(bench: Bench, results, ops=("k_writer", "compress"), with_torch=True) -> None:

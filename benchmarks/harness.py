@@ -107,6 +107,16 @@ def flat_copy_us(bench: Bench, nbytes: int, calls: int) -> float:
     return bench.time_graph([lambda s=s, d=d: d.copy_(s) for s, d in pairs])
 
 
+def flat_copy_single_us(bench: Bench, nbytes: int) -> float:
+    """One device copy moving nbytes (nbytes / 2 read, nbytes / 2 written), timed like a large-N op: single
+    calls with the L2 flushed in between. What moving the same bytes costs at that size, the flush's dirty
+    lines and the launch included: the ceiling of a large-N op of that size."""
+    half = max(nbytes // 2, 1)
+    src = torch.empty(half, dtype=torch.uint8, device=bench.device).random_()
+    dst = torch.empty_like(src)
+    return bench.time_single(lambda: dst.copy_(src))
+
+
 def as_words(rows_bytes: int) -> torch.dtype:
     """Widest integer dtype dividing a row, so the baseline copies rows in wide words."""
     for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):

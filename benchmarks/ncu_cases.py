@@ -4,7 +4,8 @@
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
         python3 -m benchmarks.ncu_cases CASE [SIZE]
 
-CASE: kwriter / kwriter_fp4 (V41 / V41_FP4, 2^20 tokens), indexer_fp4 (compress writer, 2^20 decode-plan rows),
+CASE: kwriter / kwriter_fp4 / kwriter_v4 (V41 / V41_FP4 / V4, 2^20 tokens), compress_v4 / indexer_fp8 / indexer_fp4
+(compress writer, 2^20 decode-plan rows), compress_v4_prefill (the same as a prefill plan, 2^16 rows),
 c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests), c4p / c128p (prefill of 65536 tokens
 from scratch), plan (plan_compress_prefill, c4 paged, 64 requests x 4 drafts); SIZE replaces the row / request count.
 Two warm-up calls precede the profiled one.
@@ -22,9 +23,9 @@ case = sys.argv[1]
 size = int(sys.argv[2]) if len(sys.argv) > 2 else None  # rows / batch size; each case has a default
 
 
-def writer(op, fmt, n):
+def writer(op, fmt, n, prefill=False):
     cache = wr._cache(fmt, n)
-    a = wr._inputs(op, fmt, torch.arange(n, device="cuda"), table)
+    a = wr._inputs(op, fmt, torch.arange(n, device="cuda"), table, prefill=prefill)
     return lambda: wr._ours(op, fmt)(a, cache)
 
 
@@ -79,6 +80,10 @@ def planner(bs):
 fn = {
     "kwriter": lambda: writer("k_writer", KVLayout.V41, size or 1 << 20),
     "kwriter_fp4": lambda: writer("k_writer", KVLayout.V41_FP4, size or 1 << 20),
+    "kwriter_v4": lambda: writer("k_writer", KVLayout.V4, size or 1 << 20),
+    "compress_v4": lambda: writer("compress", KVLayout.V4, size or 1 << 20),
+    "compress_v4_prefill": lambda: writer("compress", KVLayout.V4, size or 1 << 16, prefill=True),
+    "indexer_fp8": lambda: writer("compress", IndexerFormat.FP8, size or 1 << 20),
     "indexer_fp4": lambda: writer("compress", IndexerFormat.FP4, size or 1 << 20),
     "c1": lambda: low("c1", size or 64),
     "c2": lambda: low("c2", size or 64),

@@ -98,11 +98,13 @@ __device__ __forceinline__ const void* lane_input(const NormRopeParams& p, int64
 template <RowSource S, bool KvFp32, int N>
 __device__ __forceinline__ bool load_and_resolve_row(const NormRopeParams& p, int64_t token, int first,
                                                      RawElements<N, KvFp32>& raw, float* w, RowTarget& t) {
+  // The index loads go first either way: the resolution waits on them, and behind a wave's row loads
+  // they queued (prefill plans at 65536 rows: 57 us against 50 with the decode order, same bytes).
+  const RowIndices indices = load_row_indices<S>(p, token);
   if constexpr (loads_rows_ahead(S)) {
     load_raw(lane_input<KvFp32>(p, token, first), raw);
     load_weight<N>(p, first, w);
   }
-  const RowIndices indices = load_row_indices<S>(p, token);
   if (!resolve_row<S>(p, token, indices, t)) return false;
   if constexpr (!loads_rows_ahead(S)) {
     load_raw(lane_input<KvFp32>(p, token, first), raw);
