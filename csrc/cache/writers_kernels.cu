@@ -229,6 +229,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     bulk_copy_to_shared(rows_at + kRowBytes * stage, next_source, kRowBytes, arrived_at + 8 * stage);
     next_source += source_stride;
   };
+  // Lane j: row j's slot and position, loaded before the first bulk copies go out (behind a wave's
+  // copies, these loads queued).
+  int64_t slot_loaded = -1, position_loaded = -1;
+  if (lane < count) {
+    slot_loaded = p.out_loc[first + lane];
+    position_loaded = p.positions[first + lane];
+  }
   if (lane == 0) {
 #pragma unroll
     for (int s = 0; s < kPipelineStages; ++s) {
@@ -242,12 +249,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
   // Lane j: row j's slot (-1 when the row is skipped) and position (0 then: the table has a row 0); both
   // fit int32 (host check).
   int32_t slot_j = -1, position_j = 0;
-  if (lane < count) {
-    const int64_t slot = p.out_loc[first + lane], position = p.positions[first + lane];
-    if (p.cache.valid(slot) && position_in_table(position, p.max_pos)) {
-      slot_j = int32_t(slot);
-      position_j = int32_t(position);
-    }
+  if (lane < count && p.cache.valid(slot_loaded) && position_in_table(position_loaded, p.max_pos)) {
+    slot_j = int32_t(slot_loaded);
+    position_j = int32_t(position_loaded);
   }
   // The weight, once per warp, element by element (any alignment): load_weight's misaligned fallback
   // keeps a buffer in local memory, and with it in the kernel the compiler kept V41's packed words in
