@@ -141,7 +141,8 @@ def _large(bench, results, op, fmt, table, with_torch):
             if theirs and pattern != "prefill":
                 t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(a, cache)))
             nbytes = _bytes(op, fmt, a)
-            # Consecutive slots: also against a plain copy of the same bytes at this size (the ceiling there).
+            # Consecutive slots and prefill plans: also against a plain copy of the same bytes at this size (the
+            # ceiling there).
             extra = dict(baseline_us=flat_copy_single_us(bench, nbytes)) if pattern != "random" else {}
             results.append(row(bench, family="writers", op=op, case=f"{_name(fmt)} {pattern}", n=n, us=us,
                                nbytes=nbytes, torch_us=t_us, target=_target_large(op, fmt, pattern), **extra))
