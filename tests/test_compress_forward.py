@@ -629,6 +629,84 @@ def test_cuda_graph_replay_decode_and_gpu_prefill(ratio):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("D", [512, 128])
+@pytest.mark.parametrize("input_dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                     (torch.bfloat16, torch.bfloat16)], ids=["f32", "bf16-f32", "bf16"])
+def test_c4_input_strides_give_identical_bytes(D, input_dtype, state_dtype):
+    """c4 kernels use vector loads for aligned input rows and scalar loads otherwise: an extend that reads
+    ring rows and input rows, then a decode step, give the same outputs and state from row strides W,
+    W + 4 (vector loads), W + 2 and W + 1 (scalar loads), each a view into a wider buffer."""
+    e = Engine(4, D, 16, paged=False, num_requests=2, max_tokens=2048, state_dtype=state_dtype,
+               input_dtype=input_dtype, device="cuda", seed=("strides", D))
+    e.extend([1, 2], [37, 300])
+    r2t, f2s = e.tables()
+    E = [50, 9]
+    L = [len(e.history[1]) + E[0], len(e.history[2]) + E[1]]
+    plan = dsv4.plan_compress_prefill(torch.tensor([1, 2], device="cuda"), torch.tensor(L, device="cuda"),
+                                      torch.tensor(E, device="cuda"), r2t, f2s, num_q_tokens=sum(E),
+                                      **e.plan_kwargs())
+    assert int(ref.unpack_plan(plan.plan, "compress")["buffer_len"].max()) > 0, "the extend must read the ring"
+    # Then a decode step in which request 1 closes a chunk (seq_len 88) and request 2 does not.
+    decode_plan = dsv4.plan_compress_decode(torch.tensor([1, 2], device="cuda"),
+                                            torch.tensor([L[0] + 1, L[1] + 1], device="cuda"), r2t, f2s,
+                                            **e.plan_kwargs())
+    assert (L[0] + 1) % 4 == 0 and (L[1] + 1) % 4 != 0
+    x = e.rows(sum(E)).to("cuda", input_dtype)
+    x_decode = e.rows(2).to("cuda", input_dtype)
+
+    def strided(t, pad):
+        view = torch.full((t.shape[0], e.W + pad), float("nan"), device="cuda", dtype=input_dtype)[:, :e.W]
+        return view.copy_(t)
+
+    results = []
+    for pad in (0, 4, 2, 1):
+        state = e.state.clone()
+        out = dsv4.compress_forward(state, strided(x, pad), e.ape.cuda(), plan, head_dim=D)
+        out_decode = dsv4.compress_forward(state, strided(x_decode, pad), e.ape.cuda(), decode_plan, head_dim=D)
+        results.append((pad, out, out_decode, state))
+    _, out0, decode0, state0 = results[0]
+    assert out0.abs().sum() > 0 and decode0[0].abs().sum() > 0
+    for pad, out, out_decode, state in results[1:]:
+        assert torch.equal(out, out0), f"prefill outputs differ at row stride W + {pad}"
+        assert torch.equal(out_decode, decode0), f"decode outputs differ at row stride W + {pad}"
+        assert torch.equal(state, state0), f"state differs at row stride W + {pad}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("D,batch", [(512, 300), (128, 1100)])
+def test_c4_large_decode_batch_matches_small_batches(D, batch):
+    """c4 decode runs one channel per thread up to 256 x 512 (rows x head_dim) and two above it: a batch past
+    that bound gives the same outputs and state bytes as its halves, which take the one-channel kernel
+    (itself checked against the fp64 truth by the tests above). Random ring contents, positions from the
+    first chunk on, about a quarter of the rows emitting."""
+    g = gen("large-decode", D)
+    ring = 16
+    state = dsv4.alloc_compress_state(4, D, batch + 1, ring, device="cuda")
+    state[:-4] = torch.randn(state.shape[0] - 4, state.shape[1], generator=g).cuda()
+    rids = (torch.randperm(batch, generator=g) + 1).cuda()
+    seq = torch.randint(1, 4000, (batch,), generator=g)
+    seq[:16] = torch.arange(1, 17)  # the first chunks: pad overlap slots up to position 6
+    seq = seq.cuda()
+    x = torch.randn(batch, 4 * D, generator=g).cuda()
+    ape = torch.randn(8, D, generator=g).cuda()
+    kw = dict(compress_ratio=4, ring_size=ring, use_req_ring=True)
+    whole = state.clone()
+    out = dsv4.compress_forward(whole, x, ape, dsv4.plan_compress_decode(rids, seq, **kw), head_dim=D)
+    halves = state.clone()
+    parts = []
+    for part in (slice(0, batch // 2), slice(batch // 2, batch)):
+        plan = dsv4.plan_compress_decode(rids[part], seq[part], **kw)
+        parts.append(dsv4.compress_forward(halves, x[part], ape, plan, head_dim=D))
+    assert batch * D > 256 * 512 >= batch // 2 * D
+    assert int((seq % 4 == 0).sum()) > batch // 8 and int((seq < 8).sum()) > 0
+    assert torch.equal(out, torch.cat(parts))
+    assert torch.equal(whole, halves)
+    assert not torch.equal(whole, state), "the ring writes happened"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_host_path_raises_under_capture():
     rids = torch.tensor([1], device="cuda")
     graph = torch.cuda.CUDAGraph()
