@@ -269,13 +269,11 @@ __device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t
 
 // ---- c4 ----
 
-// Channels [i, i + N) of a bf16 or fp32 row as floats, N = 1, 2 or 4 (Vec: one access; see load4).
+// Channels [i, i + N) of a bf16 or fp32 row as floats, N = 1 or 2 (Vec: one access; see load4).
 template <int N, bool Bf16, bool Vec>
 __device__ __forceinline__ void load_n(const void* base, int64_t i, float (&out)[N]) {
-  if constexpr (N == 4) {
-    const float4 v = load4<Bf16, Vec>(base, i);
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-  } else if constexpr (N == 2 && Vec && Bf16) {
+  static_assert(N == 1 || N == 2, "one or two channels");
+  if constexpr (N == 2 && Vec && Bf16) {
     const uint32_t v = *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(base) + i);
     out[0] = bf16_to_f32(uint16_t(v & 0xFFFFu));
     out[1] = bf16_to_f32(uint16_t(v >> 16));
@@ -290,13 +288,13 @@ __device__ __forceinline__ void load_n(const void* base, int64_t i, float (&out)
   }
 }
 
-// Rounds (RNE) to bf16 or stores fp32, channels [i, i + N).
+// Rounds (RNE) to bf16 or stores fp32, channels [i, i + N), N = 1 or 2.
 template <int N, bool Bf16, bool Vec>
 __device__ __forceinline__ void store_n(void* base, int64_t i, const float (&v)[N]) {
-  if constexpr (N == 4) {
-    store4<Bf16, Vec>(base, i, make_float4(v[0], v[1], v[2], v[3]));
-  } else if constexpr (N == 2 && Vec && Bf16) {
-    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(base) + i) = f32_to_bf16(v[0]) | (uint32_t(f32_to_bf16(v[1])) << 16);
+  static_assert(N == 1 || N == 2, "one or two channels");
+  if constexpr (N == 2 && Vec && Bf16) {
+    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(base) + i) =
+        f32_to_bf16(v[0]) | (uint32_t(f32_to_bf16(v[1])) << 16);
   } else if constexpr (N == 2 && Vec) {
     *reinterpret_cast<float2*>(static_cast<float*>(base) + i) = make_float2(v[0], v[1]);
   } else {
@@ -311,12 +309,12 @@ __device__ __forceinline__ void store_n(void* base, int64_t i, const float (&v)[
   }
 }
 
-// c4 decode: N channels per thread, a block covers 512 channels (one D 512 row, four D 128 rows). An
-// emitting row is a chain of dependent steps (plan row, window loads, 8 exps per channel, the store) and a
-// small batch leaves a row or two per SM, so fewer channels per thread shorten the pooling's share of
-// the chain; a large batch needs more rows resident per SM, which fewer threads per row give. H200, D 512,
-// N = 1 / 2 / 4: 64 rows 1.95 / 2.05 / 2.27 us, 256 rows 3.73 / 3.79 / 4.08, 1024 rows 9.45 / 8.48 / 8.76;
-// D 128 at 1024 rows 3.49 / 3.65 / 3.91.
+// c4 decode: N = 1 or 2 channels per thread, a block covers 512 channels (one D 512 row, four D 128
+// rows). An emitting row is a chain of dependent steps (plan row, window loads, 8 exps per channel, the
+// store) and a small batch leaves a row or two per SM, so fewer channels per thread shorten the pooling's
+// share of the chain; a large batch needs more rows resident per SM, which fewer threads per row give.
+// H200, D 512, N = 1 / 2 / 4 (4 as the earlier kernel had): 64 rows 1.95 / 2.05 / 2.27 us, 256 rows
+// 3.73 / 3.79 / 4.08, 1024 rows 9.45 / 8.48 / 8.76; D 128 at 1024 rows 3.49 / 3.65 / 3.91.
 template <int N>
 constexpr int c4_decode_threads() { return 4 * kC4Threads / N; }
 constexpr int64_t kC4DecodeOneChannelMax = 256 * int64_t(kMainDim);  // rows x head_dim up to which N = 1
