@@ -531,6 +531,7 @@ int c128_rows_per_block(int64_t rows, bool is_decode) {
 
 template <bool InBf16, bool StBf16, bool Vec>
 void launch(const ForwardParams& p, cudaStream_t stream) {
+  // c4 blocks cover 512 channels whatever their channels per thread: 512 / D rows (decode and prefill).
   const int64_t c4_rows_per_block = kC4Threads / (p.head_dim / 4);
   if (p.plan_rows > 0) {
     if (p.ratio == 4) {
