@@ -1,8 +1,8 @@
 // CUDA kernels of compress_forward. c4: one thread per 4 channels of an entry (D/4 threads), all 8
-// window slots in registers. c128: a block per (rows, 32-channel chunk), so that one window's 512 KiB
-// of ring rows is read by 16 blocks on 16 SMs; its 256 threads pool 4 slots each (8 lanes x 4
-// channels cover a slot's chunk), merged with max-rescaled reductions in a fixed order. Prefill
-// writes run in a second launch.
+// window slots in registers. c128: a block per (rows, channel chunk), so that one window's 512 KiB of
+// ring rows is read by many blocks on many SMs (32 at decode, 16 at prefill); its 256 threads split the
+// window's slots and pool them in two passes (the exact max, then fixed-order sums). Prefill writes run
+// in a second launch.
 #include "forward_launch.h"
 #include "dsv4/launch.cuh"
 #include "dsv4/quant.cuh"
@@ -13,14 +13,16 @@ namespace {
 
 constexpr int kC4Threads = 128;
 constexpr int kC128Threads = 256;
-constexpr int kC128Chunk = 32;                                    // channels per block
-constexpr int kC128LanesPerSlot = kC128Chunk / 4;                 // 8 lanes x 4 channels
-constexpr int kC128Partials = kC128Threads / kC128LanesPerSlot;   // 32 slices of the window
-constexpr int kC128SlotsPerThread = 128 / kC128Partials;          // 4, all loaded before the first use
-constexpr int kC128MergeGroups = kC128Threads / kC128Chunk;       // first merge level: 8 x 4 partials
-constexpr int kC128MaxRowsPerBlock = 16;
-constexpr int kC128ItemsPerRow = 2 * kC128Chunk / 4;  // float4 items of a row's (kv, s) chunk
-static_assert(kC128MaxRowsPerBlock * kC128ItemsPerRow == kC128Threads, "one decode copy item per thread");
+constexpr int kC128Warps = kC128Threads / 32;
+// Channels per c128 block. Prefill streams windows, so a thread keeps 4 slots (8 loads) in flight. A decode
+// step closes a window about once in 128 rows and waits for it: 16 channels spread a window's 508 KiB of
+// ring rows over 32 blocks (D 512) instead of 16. H200, decode chunks of 32 / 16 / 8 channels: 64 requests
+// with one window closing 3.6 / 3.2 / 3.2 us; 1024 requests (more blocks at 8) 9.1 / 9.7 / 11.8 us.
+constexpr int kC128PrefillChunk = 32;
+constexpr int kC128DecodeChunk = 16;
+constexpr int kC128DecodeItemsPerRow = 2 * kC128DecodeChunk / 4;  // float4 items of a row's (kv, s) chunk
+constexpr int kC128MaxRowsPerBlock = kC128Threads / kC128DecodeItemsPerRow;  // one decode copy item per thread
+static_assert(kC128MaxRowsPerBlock <= 32, "a decode block's entries are warp 0's");
 constexpr int kWriteWarps = 8;
 
 __device__ __forceinline__ float4 neg_inf4() {
@@ -188,83 +190,102 @@ __device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c
                      softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
 }
 
-// Partial (max, Σ exp(s − max), Σ v·exp(s − max)) per slice and channel, and after the first merge
-// level per group of kC128Partials / kC128MergeGroups slices.
-struct C128Merge {
-  float m[kC128Partials][kC128Chunk], l[kC128Partials][kC128Chunk], a[kC128Partials][kC128Chunk];
-  float m2[kC128MergeGroups][kC128Chunk], l2[kC128MergeGroups][kC128Chunk], a2[kC128MergeGroups][kC128Chunk];
+// Per-warp partials of a c128 window over a block's kChunk channels.
+template <int kChunk>
+struct C128Partials {
+  alignas(16) float m[kC128Warps][kChunk];  // max
+  alignas(16) float l[kC128Warps][kChunk];  // Σ exp(s − max)
+  alignas(16) float a[kC128Warps][kChunk];  // Σ v·exp(s − max)
 };
 
-// Merges partials [first, first + n) of channel ch in index order (pad-only partials skipped).
-__device__ __forceinline__ SoftmaxPartial merge_partials(const float (*m)[kC128Chunk], const float (*l)[kC128Chunk],
-                                                        const float (*a)[kC128Chunk], int first, int n, int ch) {
-  const float kNegInf = __int_as_float(0xFF800000);
-  float mx = kNegInf;
-  for (int s = first; s < first + n; ++s) mx = m[s][ch] > mx ? m[s][ch] : mx;
-  SoftmaxPartial r{mx, 0.f, 0.f};
-  if (mx == kNegInf) return r;
-  for (int s = first; s < first + n; ++s) {
-    if (m[s][ch] == kNegInf) continue;
-    const float scale = expf(m[s][ch] - mx);
-    r.l += l[s][ch] * scale;
-    r.a += a[s][ch] * scale;
-  }
-  return r;
-}
+__device__ __forceinline__ float max_of(float a, float b) { return b > a ? b : a; }
 
-// c128: the block's 32-channel chunk [chunk, chunk + 32) of one window. Thread t pools slots
-// [4·(t / 8), 4·(t / 8) + 4) on channels chunk + 4·(t % 8) + [0, 4); the 32 partials of a channel are
-// merged in two fixed-order levels (8 groups of 4, then the 8 groups). Every thread of the block must
-// call it; the result is valid in threads 0..7 (4 channels each).
-template <bool InBf16, bool StBf16, bool Vec>
-__device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t chunk, C128Merge& merge) {
-  const int partial = threadIdx.x / kC128LanesPerSlot, quad = threadIdx.x % kC128LanesPerSlot;
+// c128: the block's kChunk channels [chunk, chunk + kChunk) of one window. Thread t pools channels
+// chunk + 4·(t % Q) + [0, 4) of slots [S·(t / Q), S·(t / Q) + S), Q = kChunk / 4 threads per slot and
+// S = 128·Q / 256 slots per thread. Two passes over the registers: the channel's max over all 128 slots
+// (exact in any order), then Σ exp(s − max) and Σ v·exp(s − max) in a fixed order (the thread's slots in
+// index order, a butterfly over the warp's slot groups, whose two lanes of a pair add the same two
+// values, then the warps in index order), so no partial needs rescaling. Every thread of the block must
+// call it; the result is valid in threads 0..Q-1 (4 channels each).
+template <int kChunk, bool InBf16, bool StBf16, bool Vec>
+__device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t chunk, C128Partials<kChunk>& part) {
+  constexpr int kQuads = kChunk / 4, kSlots = 128 * kQuads / kC128Threads;
+  const int quad = threadIdx.x % kQuads, group = threadIdx.x / kQuads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t c = chunk + 4 * quad;
   const int64_t pages = p.state_rows / 128;
-  SlotLoads<InBf16, StBf16> l[kC128SlotsPerThread];
+  SlotLoads<InBf16, StBf16> l[kSlots];
 #pragma unroll
-  for (int i = 0; i < kC128SlotsPerThread; ++i) {
-    l[i] = issue_slot<128, InBf16, StBf16, Vec>(p, w, partial * kC128SlotsPerThread + i, c, pages);
-  }
-  float scores[4][kC128SlotsPerThread], values[4][kC128SlotsPerThread];
+  for (int i = 0; i < kSlots; ++i) l[i] = issue_slot<128, InBf16, StBf16, Vec>(p, w, group * kSlots + i, c, pages);
+  float s[4][kSlots], v[4][kSlots];
 #pragma unroll
-  for (int i = 0; i < kC128SlotsPerThread; ++i) {
+  for (int i = 0; i < kSlots; ++i) {
     float4 value, score;
     l[i].resolve(value, score);
-    scores[0][i] = score.x; scores[1][i] = score.y; scores[2][i] = score.z; scores[3][i] = score.w;
-    values[0][i] = value.x; values[1][i] = value.y; values[2][i] = value.z; values[3][i] = value.w;
+    s[0][i] = score.x; s[1][i] = score.y; s[2][i] = score.z; s[3][i] = score.w;
+    v[0][i] = value.x; v[1][i] = value.y; v[2][i] = value.z; v[3][i] = value.w;
   }
+  float m[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const SoftmaxPartial st = softmax_partial<kC128SlotsPerThread>(scores[j], values[j]);
-    merge.m[partial][4 * quad + j] = st.m;
-    merge.l[partial][4 * quad + j] = st.l;
-    merge.a[partial][4 * quad + j] = st.a;
+    m[j] = s[j][0];
+#pragma unroll
+    for (int i = 1; i < kSlots; ++i) m[j] = max_of(m[j], s[j][i]);
+#pragma unroll
+    for (int d = kQuads; d < 32; d <<= 1) m[j] = max_of(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], d));
+  }
+  if (lane < kQuads) *reinterpret_cast<float4*>(&part.m[warp][4 * lane]) = make_float4(m[0], m[1], m[2], m[3]);
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kC128Warps; ++k) {
+    const float4 other = *reinterpret_cast<const float4*>(&part.m[k][4 * quad]);
+    m[0] = max_of(m[0], other.x); m[1] = max_of(m[1], other.y);
+    m[2] = max_of(m[2], other.z); m[3] = max_of(m[3], other.w);
+  }
+  float sum[4], weighted[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    sum[j] = 0.f;
+    weighted[j] = 0.f;
+    if (m[j] != __int_as_float(0xFF800000)) {  // else every slot is pad (s = −inf, v = 0): contributes 0
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) {
+        const float e = expf(s[j][i] - m[j]);
+        sum[j] += e;
+        weighted[j] += v[j][i] * e;
+      }
+    }
+#pragma unroll
+    for (int d = kQuads; d < 32; d <<= 1) {
+      sum[j] += __shfl_xor_sync(0xFFFFFFFFu, sum[j], d);
+      weighted[j] += __shfl_xor_sync(0xFFFFFFFFu, weighted[j], d);
+    }
+  }
+  if (lane < kQuads) {
+    *reinterpret_cast<float4*>(&part.l[warp][4 * lane]) = make_float4(sum[0], sum[1], sum[2], sum[3]);
+    *reinterpret_cast<float4*>(&part.a[warp][4 * lane]) = make_float4(weighted[0], weighted[1], weighted[2],
+                                                                      weighted[3]);
   }
   __syncthreads();
-  {  // first level: thread (group, ch) merges its group's partials of channel ch
-    constexpr int kPerGroup = kC128Partials / kC128MergeGroups;
-    const int group = threadIdx.x / kC128Chunk, ch = threadIdx.x % kC128Chunk;
-    const SoftmaxPartial g = merge_partials(merge.m, merge.l, merge.a, group * kPerGroup, kPerGroup, ch);
-    merge.m2[group][ch] = g.m;
-    merge.l2[group][ch] = g.l;
-    merge.a2[group][ch] = g.a;
+  // The next window's first writes (part.m) follow this window's last reads of part.m, and its part.l / a
+  // writes follow its first barrier, which the readers below must reach first: no third barrier.
+  float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (threadIdx.x < kQuads) {
+    float total[4] = {0.f, 0.f, 0.f, 0.f}, pooled[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < kC128Warps; ++k) {
+      const float4 lk = *reinterpret_cast<const float4*>(&part.l[k][4 * threadIdx.x]);
+      const float4 ak = *reinterpret_cast<const float4*>(&part.a[k][4 * threadIdx.x]);
+      total[0] += lk.x; total[1] += lk.y; total[2] += lk.z; total[3] += lk.w;
+      pooled[0] += ak.x; pooled[1] += ak.y; pooled[2] += ak.z; pooled[3] += ak.w;
+    }
+    // total >= 1 (the max slot's term) unless every slot is pad.
+    out.x = total[0] > 0.f ? pooled[0] / total[0] : 0.f;
+    out.y = total[1] > 0.f ? pooled[1] / total[1] : 0.f;
+    out.z = total[2] > 0.f ? pooled[2] / total[2] : 0.f;
+    out.w = total[3] > 0.f ? pooled[3] / total[3] : 0.f;
   }
-  __syncthreads();
-  float out = 0.f;
-  if (threadIdx.x < kC128Chunk) {  // second level: one channel per thread of warp 0
-    const SoftmaxPartial r = merge_partials(merge.m2, merge.l2, merge.a2, 0, kC128MergeGroups, threadIdx.x);
-    if (r.m != __int_as_float(0xFF800000)) out = r.a / r.l;
-  }
-  __syncthreads();  // `merge` is reused by the next window
-  // Gather channels 4·lane .. 4·lane + 3 into lanes 0..7 for one vector store.
-  const int lane = threadIdx.x & 31;
-  float4 v;
-  v.x = __shfl_sync(0xFFFFFFFFu, out, (4 * lane) & 31);
-  v.y = __shfl_sync(0xFFFFFFFFu, out, (4 * lane + 1) & 31);
-  v.z = __shfl_sync(0xFFFFFFFFu, out, (4 * lane + 2) & 31);
-  v.w = __shfl_sync(0xFFFFFFFFu, out, (4 * lane + 3) & 31);
-  return v;
+  return out;
 }
 
 // ---- c4 ----
@@ -413,14 +434,15 @@ __global__ void __launch_bounds__(kC4Threads) c4_prefill_kernel(ForwardParams p)
 // a chunk, and pools the ones that do, one after another (a batch has about R / 128 of them per block).
 template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams p, int rows_per_block) {
+  constexpr int kChunk = kC128DecodeChunk, kQuads = kChunk / 4;
   __shared__ DecodeEntry entries[kC128MaxRowsPerBlock];
   __shared__ uint32_t emitting;  // bit r: row first + r closes a chunk
-  __shared__ C128Merge merge;
+  __shared__ C128Partials<kChunk> part;
   const int64_t D = p.head_dim;
   const int64_t first = int64_t(blockIdx.x) * rows_per_block;
-  const int64_t chunk = int64_t(blockIdx.y) * kC128Chunk;
+  const int64_t chunk = int64_t(blockIdx.y) * kChunk;
   pdl_wait_dependencies();
-  if (threadIdx.x < 32) {  // rows_per_block <= 16: the entries are warp 0's
+  if (threadIdx.x < 32) {  // the entries are warp 0's
     const bool live = threadIdx.x < rows_per_block && first + threadIdx.x < p.plan_rows;
     bool emits = false;
     if (live) {
@@ -433,9 +455,9 @@ __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams
   }
   // This thread's copy item: row r, the kv (half 0) or s (half 1) part of the chunk, 4 channels.
   // Input loads do not depend on the plan: issue them before the barrier.
-  const int r_item = threadIdx.x / kC128ItemsPerRow;
-  const int half = (threadIdx.x / kC128LanesPerSlot) % 2;
-  const int64_t col = half * D + chunk + 4 * (threadIdx.x % kC128LanesPerSlot);
+  const int r_item = threadIdx.x / kC128DecodeItemsPerRow;
+  const int half = (threadIdx.x / kQuads) % 2;
+  const int64_t col = half * D + chunk + 4 * (threadIdx.x % kQuads);
   const bool has_item = r_item < rows_per_block && first + r_item < p.plan_rows;
   float4 item = make_float4(0.f, 0.f, 0.f, 0.f);
   if (has_item) item = load4<InBf16, Vec>(p.input, (first + r_item) * p.input_stride + col);
@@ -456,26 +478,31 @@ __global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams
   for (uint32_t rows = emitting_rows; rows != 0; rows &= rows - 1) {  // block-uniform
     const int r = __ffs(rows) - 1;
     const int64_t b = first + r;
-    const float4 out = pool_c128<InBf16, StBf16, Vec>(p, decode_window(entries[r], b, 128), chunk, merge);
-    if (threadIdx.x < kC128LanesPerSlot) store4<InBf16, Vec>(p.out, b * D + chunk + 4 * threadIdx.x, out);
+    const float4 out = pool_c128<kChunk, InBf16, StBf16, Vec>(p, decode_window(entries[r], b, 128), chunk, part);
+    if (threadIdx.x < kQuads) store4<InBf16, Vec>(p.out, b * D + chunk + 4 * threadIdx.x, out);
   }
   pdl_launch_dependents();
 }
 
-// Prefill: block (x, y) pools CompressPlan rows [x·R, x·R + R) on channel chunk y.
+// Prefill: block (x, y) pools CompressPlan rows [x·R, x·R + R) on channel chunk y. With equal input and
+// state dtypes, four blocks per SM (64 registers, a 16-byte spill; unbounded, fp32 took 70 registers, three
+// blocks, and ran 2-3 % slower at 32K and 128K tokens on an H200). Mixed dtypes, two blocks: at 64 registers
+// they would spill hundreds of bytes.
 template <bool InBf16, bool StBf16, bool Vec>
-__global__ void __launch_bounds__(kC128Threads) c128_prefill_kernel(ForwardParams p, int rows_per_block) {
-  __shared__ C128Merge merge;
+__global__ void __launch_bounds__(kC128Threads, InBf16 == StBf16 ? 4 : 2)
+    c128_prefill_kernel(ForwardParams p, int rows_per_block) {
+  constexpr int kChunk = kC128PrefillChunk, kQuads = kChunk / 4;
+  __shared__ C128Partials<kChunk> part;
   const int64_t D = p.head_dim;
   const int64_t first = int64_t(blockIdx.x) * rows_per_block;
-  const int64_t chunk = int64_t(blockIdx.y) * kC128Chunk;
+  const int64_t chunk = int64_t(blockIdx.y) * kChunk;
   pdl_wait_dependencies();
   for (int r = 0; r < rows_per_block && first + r < p.plan_rows; ++r) {
     const int64_t k = first + r;
     const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (w.emits) out = pool_c128<InBf16, StBf16, Vec>(p, w, chunk, merge);  // block-uniform branch
-    if (threadIdx.x < kC128LanesPerSlot) store4<InBf16, Vec>(p.out, k * D + chunk + 4 * threadIdx.x, out);
+    if (w.emits) out = pool_c128<kChunk, InBf16, StBf16, Vec>(p, w, chunk, part);  // block-uniform branch
+    if (threadIdx.x < kQuads) store4<InBf16, Vec>(p.out, k * D + chunk + 4 * threadIdx.x, out);
   }
   pdl_launch_dependents();
 }
@@ -523,10 +550,12 @@ unsigned blocks_for(int64_t n, int64_t per_block) { return unsigned((n + per_blo
 
 // Rows per c128 block: enough blocks to fill the GPU at small sizes, fewer and fuller ones at large.
 // Decode blocks are mostly copies (a row closes a chunk once in 128 steps), so they take rows sooner:
-// a block per row at 64 rows launched 1024 blocks of 256 threads, most of them for one 16-thread copy.
+// R = rows / chunk makes rows / R x 512 / chunk = 512 blocks at D 512, until a block holds
+// kC128MaxRowsPerBlock rows (one copy item per thread; two per thread were slower at every size).
 int c128_rows_per_block(int64_t rows, bool is_decode) {
-  const int64_t r = rows / (is_decode ? 32 : 128);
-  return int(r < 1 ? 1 : (r > kC128MaxRowsPerBlock ? kC128MaxRowsPerBlock : r));
+  const int64_t r = is_decode ? rows / kC128DecodeChunk : rows / 128;
+  const int64_t most = is_decode ? kC128MaxRowsPerBlock : 16;
+  return int(r < 1 ? 1 : (r > most ? most : r));
 }
 
 template <bool InBf16, bool StBf16, bool Vec>
@@ -547,7 +576,8 @@ void launch(const ForwardParams& p, cudaStream_t stream) {
       }
     } else {
       const int rows_per_block = c128_rows_per_block(p.plan_rows, p.is_decode);
-      const dim3 grid(blocks_for(p.plan_rows, rows_per_block), unsigned(p.head_dim / kC128Chunk));
+      const int chunk = p.is_decode ? kC128DecodeChunk : kC128PrefillChunk;
+      const dim3 grid(blocks_for(p.plan_rows, rows_per_block), unsigned(p.head_dim / chunk));
       if (p.is_decode) {
         launch_kernel(c128_decode_kernel<InBf16, StBf16, Vec>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
                       p, rows_per_block);
