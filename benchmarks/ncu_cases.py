@@ -7,7 +7,8 @@
 CASE: kwriter / kwriter_fp4 / kwriter_v4 (V41 / V41_FP4 / V4, 2^20 tokens), compress_v4 / indexer_fp8 / indexer_fp4
 (compress writer, 2^20 decode-plan rows), compress_v4_prefill (the same as a prefill plan, 2^16 rows),
 c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests), c128e (c128 decode, 64 requests of
-which the first alone closes a chunk), c4p / c128p (prefill of 65536 tokens from scratch), plan (plan_compress_prefill, c4 paged, 64 requests x 4 drafts); SIZE replaces the row / request count.
+which the first alone closes a chunk), c4p / c128p (prefill of 65536 tokens from scratch), plan
+(plan_compress_prefill, c4 paged, 64 requests x 4 drafts); SIZE replaces the row / request count.
 Two warm-up calls precede the profiled one.
 """
 import sys
@@ -45,23 +46,16 @@ def low(op, n):
         page_size=64, ring_size=a["ring"], draft_len=0, layout=layout)
 
 
-def compress(ratio, bs):
+def compress(ratio, bs, one_emitting=False):
+    """Decode of bs requests at random positions, or (one_emitting) with only the first closing a chunk."""
     hd, ring = 512, (16 if ratio == 4 else 256)
     gen = torch.Generator().manual_seed(1)
-    s = bc._decode_set(ratio, hd, ring, bs, gen)
-    ape = torch.randn(8 if ratio == 4 else 128, hd, device="cuda")
-    return lambda: dsv4.compress_forward(s[0], s[1], ape, s[2], head_dim=hd)
-
-
-def compress_one_emitting(ratio, bs):
-    """Decode of bs requests of which only the first closes a chunk (the latency of an emitting step)."""
-    hd, ring = 512, (16 if ratio == 4 else 256)
-    state = dsv4.alloc_compress_state(ratio, hd, bs + 1, ring, device="cuda")
-    rids = torch.arange(1, bs + 1, device="cuda")
-    seq = torch.full((bs,), 8 * ratio + 1, device="cuda")
-    seq[0] = 8 * ratio
-    plan = dsv4.plan_compress_decode(rids, seq, compress_ratio=ratio, ring_size=ring, use_req_ring=True)
-    x = torch.randn(bs, (4 if ratio == 4 else 2) * hd, device="cuda")
+    state, x, plan, _ = bc._decode_set(ratio, hd, ring, bs, gen)
+    if one_emitting:
+        seq = torch.full((bs,), 8 * ratio + 1, device="cuda")
+        seq[0] = 8 * ratio
+        plan = dsv4.plan_compress_decode(torch.arange(1, bs + 1, device="cuda"), seq, compress_ratio=ratio,
+                                         ring_size=ring, use_req_ring=True)
     ape = torch.randn(8 if ratio == 4 else 128, hd, device="cuda")
     return lambda: dsv4.compress_forward(state, x, ape, plan, head_dim=hd)
 
@@ -102,7 +96,7 @@ fn = {
     "c2": lambda: low("c2", size or 64),
     "c4": lambda: compress(4, size or 64),
     "c128": lambda: compress(128, size or 64),
-    "c128e": lambda: compress_one_emitting(128, size or 64),
+    "c128e": lambda: compress(128, size or 64, one_emitting=True),
     "c4p": lambda: compress_prefill(4, size or 65536),
     "c128p": lambda: compress_prefill(128, size or 65536),
     "plan": lambda: planner(size or 64),
