@@ -762,3 +762,40 @@ def test_pdl_on_and_off_give_identical_bytes(tmp_path):
         for a, b in zip(outs_off, outs_on):
             for u, v in zip(a, b):
                 assert (u is None and v is None) or torch.equal(u, v), key
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch,closing,in_dtype,state_dtype", [
+    (100, "all", torch.float32, torch.float32),       # 2 pool blocks of 50 windows each
+    (1500, "third", torch.float32, torch.float32),    # two 1024-row slices of the closing-row scan
+    (1500, "third", torch.bfloat16, torch.float32),   # the mixed-dtype kernel
+    (300, "few", torch.float32, torch.bfloat16),
+])
+def test_c128_decode_many_closing_rows_matches_reference(batch, closing, in_dtype, state_dtype):
+    """c128 decode pools closing rows in separate pool blocks, each taking the closing rows of rank
+    pool mod P in row order: outputs and state match the reference compressor whatever the number of closing
+    rows, their spread over the batch's 1024-row slices, and invalid (padded) rows among them."""
+    g = gen("c128-closing", batch, closing)
+    D, ring = 512, 256
+    state = dsv4.alloc_compress_state(128, D, batch + 1, ring, state_dtype, device="cuda")
+    state[:-128] = torch.randn(state.shape[0] - 128, state.shape[1], generator=g).to(state_dtype).cuda()
+    rids = (torch.randperm(batch, generator=g) + 1).cuda()
+    seq = torch.randint(129, 8000, (batch,), generator=g)
+    seq[seq % 128 == 0] += 1
+    closes = {"all": torch.ones(batch, dtype=torch.bool), "few": torch.arange(batch) % 97 == 5,
+              "third": torch.rand(batch, generator=g) < 1 / 3}[closing]
+    seq[closes] = 128 * torch.randint(1, 60, (int(closes.sum()),), generator=g)
+    seq[torch.arange(batch) % 41 == 7] = 0  # padded rows: invalid plan entries
+    plan = dsv4.plan_compress_decode(rids, seq.cuda(), compress_ratio=128, ring_size=ring, use_req_ring=True)
+    x = torch.randn(batch, 2 * D, generator=g).to(in_dtype).cuda()
+    ape = torch.randn(128, D, generator=g).cuda()
+    expected_state = state.clone()
+    expected = ref.compress_forward(expected_state, x, ape, plan.plan, None, D, 128, True)
+    out = dsv4.compress_forward(state, x, ape, plan, head_dim=D)
+    emitting = (seq % 128 == 0) & (seq > 0)
+    assert int(emitting.sum()) >= (batch if closing == "all" else 3) - batch // 41 - 1
+    assert out[emitting.cuda()].abs().sum() > 0
+    assert torch.equal(state, expected_state)
+    tol = dict(atol=2e-5, rtol=2e-5) if in_dtype == torch.float32 else dict(atol=1e-5, rtol=2 ** -7)  # 2 bf16 ulps
+    torch.testing.assert_close(out.float(), expected.float(), **tol)

@@ -1,8 +1,9 @@
 // CUDA kernels of compress_forward. c4: one thread per 4 channels of an entry (D/4 threads), all 8
 // window slots in registers. c128: a block per (rows, channel chunk), so that one window's 512 KiB of
 // ring rows is read by many blocks on many SMs (32 at decode, 16 at prefill); its 256 threads split the
-// window's slots and pool them in two passes (the exact max, then fixed-order sums). Prefill writes run
-// in a second launch.
+// window's slots and pool them in two passes (the exact max, then fixed-order sums). c128 decode pools in
+// blocks of their own, apart from the blocks that copy the rows to the state. Prefill writes run in a
+// second launch.
 #include "forward_launch.h"
 #include "dsv4/launch.cuh"
 #include "dsv4/quant.cuh"
@@ -16,13 +17,18 @@ constexpr int kC128Threads = 256;
 constexpr int kC128Warps = kC128Threads / 32;
 // Channels per c128 block. Prefill streams windows, so a thread keeps 4 slots (8 loads) in flight. A decode
 // step closes a window about once in 128 rows and waits for it: 16 channels spread a window's 508 KiB of
-// ring rows over 32 blocks (D 512) instead of 16. H200, decode chunks of 32 / 16 / 8 channels: 64 requests
-// with one window closing 3.6 / 3.2 / 3.2 us; 1024 requests (more blocks at 8) 9.1 / 9.7 / 11.8 us.
+// ring rows over 32 blocks (D 512) instead of 16. H200, decode chunks of 32 / 16 / 8 channels (pooling in
+// the copy blocks then): 64 requests with one window closing 3.6 / 3.2 / 3.2 us.
 constexpr int kC128PrefillChunk = 32;
 constexpr int kC128DecodeChunk = 16;
 constexpr int kC128DecodeItemsPerRow = 2 * kC128DecodeChunk / 4;  // float4 items of a row's (kv, s) chunk
-constexpr int kC128MaxRowsPerBlock = kC128Threads / kC128DecodeItemsPerRow;  // one decode copy item per thread
-static_assert(kC128MaxRowsPerBlock <= 32, "a decode block's entries are warp 0's");
+// Rows of a decode copy block: one copy item per thread. H200, fp32, copy blocks of 32 rows against the
+// earlier rows / 16 (at most 32, 512 blocks up to 512 rows): 8 / 64 / 256 / 1024 requests 1.32 / 2.23 / 4.40 /
+// 7.93 us against 1.38 / 2.38 / 4.49 / 7.86; 8 rows: 1024 requests 10.3 us.
+constexpr int kC128CopyRows = kC128Threads / kC128DecodeItemsPerRow;
+static_assert(kC128CopyRows <= 32, "a copy block's entries are warp 0's");
+// Decode closing rows one pool block handles at most (c128_pool_blocks).
+constexpr int kC128MaxPooledRows = 64;
 constexpr int kWriteWarps = 8;
 
 __device__ __forceinline__ float4 neg_inf4() {
@@ -200,31 +206,98 @@ struct C128Partials {
 
 __device__ __forceinline__ float max_of(float a, float b) { return b > a ? b : a; }
 
-// c128: the block's kChunk channels [chunk, chunk + kChunk) of one window. Thread t pools channels
-// chunk + 4·(t % Q) + [0, 4) of slots [S·(t / Q), S·(t / Q) + S), Q = kChunk / 4 threads per slot and
-// S = 128·Q / 256 slots per thread. Two passes over the registers: the channel's max over all 128 slots
-// (exact in any order), then Σ exp(s − max) and Σ v·exp(s − max) in a fixed order (the thread's slots in
-// index order, a butterfly over the warp's slot groups, whose two lanes of a pair add the same two
-// values, then the warps in index order), so no partial needs rescaling. Every thread of the block must
-// call it; the result is valid in threads 0..Q-1 (4 channels each).
+// c128 slot layout: thread t pools channels chunk + 4·(t % Q) + [0, 4) of window slots
+// [S·(t / Q), S·(t / Q) + S), Q = kChunk / 4 threads per slot and S = 128·Q / 256 slots per thread.
+template <int kChunk>
+struct C128Layout {
+  static constexpr int kQuads = kChunk / 4, kSlots = 128 * kQuads / kC128Threads;
+  static_assert(kSlots >= 1 && 128 % kSlots == 0, "a thread's slots tile the window");
+  __device__ __forceinline__ static int quad() { return threadIdx.x % kQuads; }
+  __device__ __forceinline__ static int first_slot() { return threadIdx.x / kQuads * kSlots; }
+};
+
+// Scores (ape added) and values of the thread's slots, any window (prefill: slots from the ring, the
+// input or pad, per slot_source).
 template <int kChunk, bool InBf16, bool StBf16, bool Vec>
-__device__ float4 pool_c128(const ForwardParams& p, const PoolWindow& w, int64_t chunk, C128Partials<kChunk>& part) {
-  constexpr int kQuads = kChunk / 4, kSlots = 128 * kQuads / kC128Threads;
-  const int quad = threadIdx.x % kQuads, group = threadIdx.x / kQuads;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t c = chunk + 4 * quad;
+__device__ __forceinline__ void gather_c128(const ForwardParams& p, const PoolWindow& w, int64_t chunk,
+                                            float (&s)[4][C128Layout<kChunk>::kSlots],
+                                            float (&v)[4][C128Layout<kChunk>::kSlots]) {
+  using L = C128Layout<kChunk>;
+  const int64_t c = chunk + 4 * L::quad();
   const int64_t pages = p.state_rows / 128;
-  SlotLoads<InBf16, StBf16> l[kSlots];
+  SlotLoads<InBf16, StBf16> l[L::kSlots];
 #pragma unroll
-  for (int i = 0; i < kSlots; ++i) l[i] = issue_slot<128, InBf16, StBf16, Vec>(p, w, group * kSlots + i, c, pages);
-  float s[4][kSlots], v[4][kSlots];
+  for (int i = 0; i < L::kSlots; ++i) l[i] = issue_slot<128, InBf16, StBf16, Vec>(p, w, L::first_slot() + i, c, pages);
 #pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
+  for (int i = 0; i < L::kSlots; ++i) {
     float4 value, score;
     l[i].resolve(value, score);
     s[0][i] = score.x; s[1][i] = score.y; s[2][i] = score.z; s[3][i] = score.w;
     v[0][i] = value.x; v[1][i] = value.y; v[2][i] = value.z; v[3][i] = value.w;
   }
+}
+
+// A decode window: slots 0..126 are rows of page read_page_1 (pad if the page is invalid) and slot 127 is
+// the current token, input row w.src. Only a thread's last slot can be slot 127 (a thread's slots start
+// at a multiple of kSlots). With equal dtypes that slot's loads take the input row's address; with mixed
+// dtypes they need registers of their own, and slot 127's ring row is loaded and discarded. (prefill's
+// gather predicates an input load on every slot: with bf16 input and fp32 state the decode kernel took 85
+// registers, two blocks per SM.)
+template <int kChunk, bool InBf16, bool StBf16, bool Vec>
+__device__ __forceinline__ void gather_c128_decode(const ForwardParams& p, const PoolWindow& w, int64_t chunk,
+                                                   float (&s)[4][C128Layout<kChunk>::kSlots],
+                                                   float (&v)[4][C128Layout<kChunk>::kSlots]) {
+  using L = C128Layout<kChunk>;
+  constexpr int kLast = L::kSlots - 1;
+  constexpr bool kSameDtype = InBf16 == StBf16;
+  static_assert(127 % L::kSlots == kLast, "slot 127 is a thread's last slot");
+  const int64_t D = p.head_dim, W = state_row_width(128, D), pages = p.state_rows / 128;
+  const int64_t c = chunk + 4 * L::quad();
+  const bool page_ok = w.read_page_1 >= 0 && w.read_page_1 < pages;
+  const int64_t page_row = (page_ok ? int64_t(w.read_page_1) * 128 : p.state_rows - 1) * W;
+  const bool holds_current = L::first_slot() + kLast == 127;
+  float4 value[L::kSlots], score[L::kSlots], bias[L::kSlots], current_value, current_score;
+#pragma unroll
+  for (int i = 0; i < L::kSlots; ++i) {
+    const int k = L::first_slot() + i;
+    const bool from_input = kSameDtype && i == kLast && holds_current;
+    const void* base = from_input ? p.input : static_cast<const void*>(p.state);
+    const int64_t row = from_input ? w.src * p.input_stride : (page_ok ? page_row + k * W : page_row);
+    value[i] = load4<StBf16, Vec>(base, row + value_column(128, k, D) + c);
+    score[i] = load4<StBf16, Vec>(base, row + score_column(128, k, D) + c);
+    bias[i] = load4<false, Vec>(p.ape, int64_t(k) * D + c);
+  }
+  if (!kSameDtype && holds_current) {
+    current_value = load4<InBf16, Vec>(p.input, w.src * p.input_stride + value_column(128, 127, D) + c);
+    current_score = load4<InBf16, Vec>(p.input, w.src * p.input_stride + score_column(128, 127, D) + c);
+  }
+#pragma unroll
+  for (int i = 0; i < L::kSlots; ++i) {
+    const bool is_current = i == kLast && holds_current;
+    const bool separate = !kSameDtype && is_current;
+    float4 kv = separate ? current_value : value[i];
+    float4 sc = add4(separate ? current_score : score[i], bias[i]);
+    if (!is_current && !page_ok) {  // pad
+      kv = make_float4(0.f, 0.f, 0.f, 0.f);
+      sc = neg_inf4();
+    }
+    s[0][i] = sc.x; s[1][i] = sc.y; s[2][i] = sc.z; s[3][i] = sc.w;
+    v[0][i] = kv.x; v[1][i] = kv.y; v[2][i] = kv.z; v[3][i] = kv.w;
+  }
+}
+
+// c128: pools the block's kChunk channels of one window from the thread's gathered slots (C128Layout) in
+// two passes: the channel's max over all 128 slots (exact in any order), then Σ exp(s − max) and
+// Σ v·exp(s − max) in a fixed order (the thread's slots in index order, a butterfly over the warp's slot
+// groups, whose two lanes of a pair add the same two values, then the warps in index order), so no
+// partial needs rescaling. Every thread of the block must call it; the result is valid in threads
+// 0..Q-1 (4 channels each).
+template <int kChunk>
+__device__ float4 pool_c128(const float (&s)[4][C128Layout<kChunk>::kSlots],
+                            const float (&v)[4][C128Layout<kChunk>::kSlots], C128Partials<kChunk>& part) {
+  constexpr int kQuads = C128Layout<kChunk>::kQuads, kSlots = C128Layout<kChunk>::kSlots;
+  const int quad = C128Layout<kChunk>::quad();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float m[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -429,59 +502,131 @@ __global__ void __launch_bounds__(kC4Threads) c4_prefill_kernel(ForwardParams p)
 
 // ---- c128 ----
 
-// Decode: block (x, y) serves requests [x·R, x·R + R) on channel chunk y: it copies that chunk of
-// each input row (kv and s halves) to the state, writes the zero outputs of the rows that do not close
-// a chunk, and pools the ones that do, one after another (a batch has about R / 128 of them per block).
+// Decode, pool blocks: pool block `pool` of channel chunk `chunk` finds the batch's closing rows in row
+// order and pools, on that chunk, those whose rank is `pool` modulo pool_blocks, one after another. A batch closes
+// about one row in 128, and c128_pool_blocks keeps the expected count per pool block below one: when the
+// pooling was done by the blocks that copy the rows, two closing rows in one block were pooled serially
+// (H200, fp32, 256 rows: one closing row 3.3 us, two in one block 5.4, two in different blocks 4.1; with
+// pool blocks 3.2 / 3.5 / 3.4).
 template <bool InBf16, bool StBf16, bool Vec>
-__global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams p, int rows_per_block) {
+__device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t chunk, int pool, int pool_blocks) {
   constexpr int kChunk = kC128DecodeChunk, kQuads = kChunk / 4;
-  __shared__ DecodeEntry entries[kC128MaxRowsPerBlock];
-  __shared__ uint32_t emitting;  // bit r: row first + r closes a chunk
+  // A thread reads the seq_len words of rows base + t + 256·j, j < kRowsPerThread, all loads at once: a
+  // batch of up to 1024 rows takes one round trip.
+  constexpr int kRowsPerThread = 4;
+  __shared__ uint32_t warp_counts[kRowsPerThread][kC128Warps];
+  __shared__ int32_t mine[kC128MaxPooledRows];  // this block's closing rows, in row order
   __shared__ C128Partials<kChunk> part;
-  const int64_t D = p.head_dim;
-  const int64_t first = int64_t(blockIdx.x) * rows_per_block;
-  const int64_t chunk = int64_t(blockIdx.y) * kChunk;
-  pdl_wait_dependencies();
-  if (threadIdx.x < 32) {  // the entries are warp 0's
-    const bool live = threadIdx.x < rows_per_block && first + threadIdx.x < p.plan_rows;
-    bool emits = false;
-    if (live) {
-      const DecodeEntry e = load_decode_entry(p.plan + (first + threadIdx.x) * kPlanRowBytes);
-      entries[threadIdx.x] = e;
-      emits = decode_window(e, first + threadIdx.x, 128).emits;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // Closing rows of rank below r that are this block's (ranks pool, pool + P, ...). Rows, and so ranks, are
+  // below 2^31: a decode row's input alone is 4 KiB.
+  auto owned_below = [&](uint32_t r) { return r > uint32_t(pool) ? (r - pool + pool_blocks - 1) / pool_blocks : 0u; };
+  uint32_t seen = 0;  // closing rows in earlier slices
+  for (int64_t base = 0; base < p.plan_rows; base += kRowsPerThread * kC128Threads) {
+    uint32_t seq_len[kRowsPerThread];
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int64_t row = base + j * kC128Threads + threadIdx.x;
+      seq_len[j] = row < p.plan_rows ? *reinterpret_cast<const uint32_t*>(p.plan + row * kPlanRowBytes) : 0;
     }
-    const uint32_t mask = __ballot_sync(0xFFFFFFFFu, emits);
-    if (threadIdx.x == 0) emitting = mask;
+    uint32_t mask[kRowsPerThread];
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      mask[j] = __ballot_sync(0xFFFFFFFFu, decode_emits(seq_len[j], 128));
+      if (lane == 0) warp_counts[j][warp] = __popc(mask[j]);
+    }
+    __syncthreads();
+    uint32_t before = seen;  // closing rows before row base + j·256 + warp·32, at sub-slice j
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      uint32_t rank = before;
+#pragma unroll
+      for (int k = 0; k < kC128Warps; ++k) {
+        rank += k < warp ? warp_counts[j][k] : 0;
+        before += warp_counts[j][k];
+      }
+      rank += __popc(mask[j] & ((1u << lane) - 1u));
+      if ((mask[j] >> lane & 1u) && rank % uint32_t(pool_blocks) == uint32_t(pool)) {
+        mine[owned_below(rank)] = int32_t(base + j * kC128Threads + threadIdx.x);
+      }
+    }
+    seen = before;
+    __syncthreads();  // the next slice rewrites warp_counts
+  }
+  // owned_below(seen) <= ceil(rows / pool_blocks) <= kC128MaxPooledRows (c128_pool_blocks).
+  const int count = int(owned_below(seen));
+  for (int i = 0; i < count; ++i) {  // block-uniform
+    const int64_t b = mine[i];
+    const PoolWindow w = decode_window(load_decode_entry(p.plan + b * kPlanRowBytes), b, 128);
+    float s[4][C128Layout<kChunk>::kSlots], v[4][C128Layout<kChunk>::kSlots];
+    gather_c128_decode<kChunk, InBf16, StBf16, Vec>(p, w, chunk, s, v);
+    const float4 out = pool_c128<kChunk>(s, v, part);
+    if (threadIdx.x < kQuads) store4<InBf16, Vec>(p.out, b * p.head_dim + chunk + 4 * threadIdx.x, out);
+  }
+}
+
+// Decode, copy blocks: copy block `group` of channel chunk `chunk` serves requests [group·R, group·R + R),
+// R = kC128CopyRows: it copies that chunk of each input row (kv and s halves) to the state and writes the
+// zero outputs of the rows that do not close a chunk. The writes go to the ring rows of the current
+// positions, which no window of this call reads (each takes its current token from the input, and a pool
+// block discards what it loads for slot 127), so they need not wait for the pool blocks.
+template <bool InBf16, bool StBf16, bool Vec>
+__device__ __forceinline__ void c128_decode_copy(const ForwardParams& p, int64_t chunk, int64_t group) {
+  constexpr int kChunk = kC128DecodeChunk, kQuads = kChunk / 4;
+  __shared__ DecodeEntry entries[kC128CopyRows];
+  const int64_t D = p.head_dim;
+  const int64_t first = group * kC128CopyRows;
+  if (threadIdx.x < kC128CopyRows && first + threadIdx.x < p.plan_rows) {
+    entries[threadIdx.x] = load_decode_entry(p.plan + (first + threadIdx.x) * kPlanRowBytes);
   }
   // This thread's copy item: row r, the kv (half 0) or s (half 1) part of the chunk, 4 channels.
   // Input loads do not depend on the plan: issue them before the barrier.
   const int r_item = threadIdx.x / kC128DecodeItemsPerRow;
   const int half = (threadIdx.x / kQuads) % 2;
   const int64_t col = half * D + chunk + 4 * (threadIdx.x % kQuads);
-  const bool has_item = r_item < rows_per_block && first + r_item < p.plan_rows;
+  const bool has_item = first + r_item < p.plan_rows;
   float4 item = make_float4(0.f, 0.f, 0.f, 0.f);
   if (has_item) item = load4<InBf16, Vec>(p.input, (first + r_item) * p.input_stride + col);
   __syncthreads();
-  const uint32_t emitting_rows = emitting;
-  // The writes go to the ring rows of the current positions, which no window of this call reads
-  // (each takes its current token from the input), so they may precede the pooling.
-  if (has_item) {
-    const DecodeEntry e = entries[r_item];
-    if (e.seq_len != kInvalidPlanWord && writable_state_row(e.write_loc, p.state_rows, 128)) {
-      store4<StBf16, Vec>(p.state, int64_t(e.write_loc) * 2 * D + col, item);
-    }
-    // The kv half's items cover the chunk's output channels.
-    if (half == 0 && !(emitting_rows >> r_item & 1u)) {
-      store4<InBf16, Vec>(p.out, (first + r_item) * D + col, make_float4(0.f, 0.f, 0.f, 0.f));
-    }
+  if (!has_item) return;
+  const DecodeEntry e = entries[r_item];
+  if (e.seq_len != kInvalidPlanWord && writable_state_row(e.write_loc, p.state_rows, 128)) {
+    store4<StBf16, Vec>(p.state, int64_t(e.write_loc) * 2 * D + col, item);
   }
-  for (uint32_t rows = emitting_rows; rows != 0; rows &= rows - 1) {  // block-uniform
-    const int r = __ffs(rows) - 1;
-    const int64_t b = first + r;
-    const float4 out = pool_c128<kChunk, InBf16, StBf16, Vec>(p, decode_window(entries[r], b, 128), chunk, part);
-    if (threadIdx.x < kQuads) store4<InBf16, Vec>(p.out, b * D + chunk + 4 * threadIdx.x, out);
+  // The kv half's items cover the chunk's output channels.
+  if (half == 0 && !decode_emits(e.seq_len, 128)) {
+    store4<InBf16, Vec>(p.out, (first + r_item) * D + col, make_float4(0.f, 0.f, 0.f, 0.f));
+  }
+}
+
+// Decode: block i is role i / chunks on channel chunk i % chunks; roles 0..pool_blocks-1 are the pool
+// blocks, which a 1-D grid schedules first (theirs are the long chains), the rest the copy blocks.
+template <bool InBf16, bool StBf16, bool Vec>
+__device__ __forceinline__ void c128_decode(const ForwardParams& p, int pool_blocks) {
+  constexpr int kChunks = kMainDim / kC128DecodeChunk;  // c128 has head_dim 512
+  const int role = int(blockIdx.x / kChunks);
+  const int64_t chunk = int64_t(blockIdx.x % kChunks) * kC128DecodeChunk;
+  pdl_wait_dependencies();
+  if (role < pool_blocks) {
+    c128_decode_pool<InBf16, StBf16, Vec>(p, chunk, int(role), pool_blocks);
+  } else {
+    c128_decode_copy<InBf16, StBf16, Vec>(p, chunk, role - pool_blocks);
   }
   pdl_launch_dependents();
+}
+
+// Equal dtypes take 48-51 registers on sm_90 (55-64 on sm_100). Any minimum-blocks bound made ptxas use 64-80
+// and spill, so only mixed dtypes, which take about 75, get one (three blocks per SM; 80 registers, and on
+// sm_100 a 4-byte spill): without it ptxas capped fp32 input with bf16 state at 64 registers and spilled 88
+// bytes.
+template <bool InBf16, bool Vec>
+__global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams p, int pool_blocks) {
+  c128_decode<InBf16, InBf16, Vec>(p, pool_blocks);
+}
+
+template <bool InBf16, bool StBf16, bool Vec>
+__global__ void __launch_bounds__(kC128Threads, 3) c128_decode_mixed_kernel(ForwardParams p, int pool_blocks) {
+  c128_decode<InBf16, StBf16, Vec>(p, pool_blocks);
 }
 
 // Prefill: block (x, y) pools CompressPlan rows [x·R, x·R + R) on channel chunk y. With equal input and
@@ -501,7 +646,11 @@ __global__ void __launch_bounds__(kC128Threads, InBf16 == StBf16 ? 4 : 2)
     const int64_t k = first + r;
     const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (w.emits) out = pool_c128<kChunk, InBf16, StBf16, Vec>(p, w, chunk, part);  // block-uniform branch
+    if (w.emits) {  // block-uniform
+      float s[4][C128Layout<kChunk>::kSlots], v[4][C128Layout<kChunk>::kSlots];
+      gather_c128<kChunk, InBf16, StBf16, Vec>(p, w, chunk, s, v);
+      out = pool_c128<kChunk>(s, v, part);
+    }
     if (threadIdx.x < kQuads) store4<InBf16, Vec>(p.out, k * D + chunk + 4 * threadIdx.x, out);
   }
   pdl_launch_dependents();
@@ -548,14 +697,19 @@ __global__ void __launch_bounds__(kWriteWarps * 32) state_write_kernel(ForwardPa
 
 unsigned blocks_for(int64_t n, int64_t per_block) { return unsigned((n + per_block - 1) / per_block); }
 
-// Rows per c128 block: enough blocks to fill the GPU at small sizes, fewer and fuller ones at large.
-// Decode blocks are mostly copies (a row closes a chunk once in 128 steps), so they take rows sooner:
-// R = rows / chunk makes rows / R x 512 / chunk = 512 blocks at D 512, until a block holds
-// kC128MaxRowsPerBlock rows (one copy item per thread; two per thread were slower at every size).
-int c128_rows_per_block(int64_t rows, bool is_decode) {
-  const int64_t r = is_decode ? rows / kC128DecodeChunk : rows / 128;
-  const int64_t most = is_decode ? kC128MaxRowsPerBlock : 16;
-  return int(r < 1 ? 1 : (r > most ? most : r));
+// Decode pool blocks per channel chunk: a block per kC128MaxPooledRows rows (a batch closes about one row
+// in 128, so a block pools about half a window on average), at least two, at most one per row. Rounded
+// up, so that no block owns more than kC128MaxPooledRows rows even if every row closes.
+int c128_pool_blocks(int64_t rows) {
+  const int64_t n = (rows + kC128MaxPooledRows - 1) / kC128MaxPooledRows;
+  const int64_t at_least_two = n < 2 ? 2 : n;
+  return int(at_least_two < rows ? at_least_two : rows);
+}
+
+// Rows per c128 prefill block: enough blocks to fill the GPU at small sizes, fewer and fuller ones at large.
+int c128_prefill_rows_per_block(int64_t rows) {
+  const int64_t r = rows / 128;
+  return int(r < 1 ? 1 : (r > 16 ? 16 : r));
 }
 
 template <bool InBf16, bool StBf16, bool Vec>
@@ -575,13 +729,20 @@ void launch(const ForwardParams& p, cudaStream_t stream) {
         launch_kernel(c4_prefill_kernel<InBf16, StBf16, Vec>, grid, dim3(kC4Threads), 0, stream, "compress_forward", p);
       }
     } else {
-      const int rows_per_block = c128_rows_per_block(p.plan_rows, p.is_decode);
-      const int chunk = p.is_decode ? kC128DecodeChunk : kC128PrefillChunk;
-      const dim3 grid(blocks_for(p.plan_rows, rows_per_block), unsigned(p.head_dim / chunk));
       if (p.is_decode) {
-        launch_kernel(c128_decode_kernel<InBf16, StBf16, Vec>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
-                      p, rows_per_block);
+        const int pool_blocks = c128_pool_blocks(p.plan_rows);
+        const unsigned roles = unsigned(pool_blocks) + blocks_for(p.plan_rows, kC128CopyRows);
+        const dim3 grid(roles * unsigned(kMainDim / kC128DecodeChunk));
+        if constexpr (InBf16 == StBf16) {
+          launch_kernel(c128_decode_kernel<InBf16, Vec>, grid, dim3(kC128Threads), 0, stream, "compress_forward", p,
+                        pool_blocks);
+        } else {
+          launch_kernel(c128_decode_mixed_kernel<InBf16, StBf16, Vec>, grid, dim3(kC128Threads), 0, stream,
+                        "compress_forward", p, pool_blocks);
+        }
       } else {
+        const int rows_per_block = c128_prefill_rows_per_block(p.plan_rows);
+        const dim3 grid(blocks_for(p.plan_rows, rows_per_block), unsigned(p.head_dim / kC128PrefillChunk));
         launch_kernel(c128_prefill_kernel<InBf16, StBf16, Vec>, grid, dim3(kC128Threads), 0, stream, "compress_forward",
                       p, rows_per_block);
       }

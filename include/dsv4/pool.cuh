@@ -18,10 +18,15 @@ struct PoolWindow {
   int32_t read_page_0, read_page_1;
 };
 
+// Whether a decode row of this seq_len word closes a chunk (emits a compressed row).
+DSV4_HD bool decode_emits(uint32_t seq_len, int ratio) {
+  return seq_len != kInvalidPlanWord && seq_len != 0 && seq_len % uint32_t(ratio) == 0;
+}
+
 // Decode row b: the current token is input row b, every earlier window slot is in the ring.
 DSV4_HD PoolWindow decode_window(const DecodeEntry& e, int64_t b, int ratio) {
   PoolWindow w{};
-  w.emits = e.seq_len != kInvalidPlanWord && e.seq_len != 0 && e.seq_len % uint32_t(ratio) == 0;
+  w.emits = decode_emits(e.seq_len, ratio);
   w.p = int64_t(e.seq_len) - 1;
   w.src = b;
   w.buffer_len = compress_window(ratio) - 1;
