@@ -1,6 +1,6 @@
 // CUDA planners for c4/c128: the decode planner (one thread per request), the GPU-input prefill
-// planner (deterministic block scans of E', n_c, n_w; each request's first rows written by its own
-// thread, every other row by one thread that finds its request by binary search) and the stage-1
+// planner (deterministic block scans of E', n_c, n_w; each request's first rows written by owner lanes,
+// one row each, every other row by one thread that finds its request by binary search) and the stage-1
 // kernel of the host-input path.
 #include "plan_launch.h"
 #include "dsv4/launch.cuh"
@@ -13,19 +13,18 @@ namespace {
 // in tiles of this size.
 constexpr int kScanTile = 1024;
 constexpr int kRowThreads = 256;  // rows are latency chains: spread them over blocks
-// The one-launch planner writes each request's first rows from threads of its own, which start their
-// table loads before the scans: for a slice of kOwnerSlice requests, two blocks, whose thread b writes
-// request b's first kOwnedWrites WritePlan rows (even block) or first kOwnedCompress CompressPlan rows
-// (odd block, two slots each). That covers every row of a verify or extend step of up to 8 tokens; two
-// threads per request keep each one's slots in the registers of a 1024-thread block, and slices spread
-// a large batch's lookups over several SMs. A slice is one warp: an owner's lookups are eight scattered
-// loads per round, so each SM should carry few owners (H200, verify step of 4 tokens, c4 paged / c128: slices
-// of 256 requests took 4.71 / 3.37 us at bs 256 and 5.78 / 4.43 at bs 1024, slices of 32 took 3.69 / 2.96 and
-// 4.85 / 3.90; slices of 16 were no faster).
+// The one-launch planner writes each request's first rows from owner lanes, which start their table
+// lookups before the scans: for a slice of kOwnerSlice requests, two blocks, whose lanes j < kOwnerLanes
+// serve request j / kOwnedSlots: lane k (= j % kOwnedSlots) writes WritePlan row k (even block), or looks
+// up one of the two slots of CompressPlan row k / 2 (odd block; the even lane writes the row). That covers
+// every row of a verify or extend step of up to 8 tokens. One row per lane keeps each lane's chain at one
+// lookup: a thread that planned its request's eight rows itself issued ~950 instructions at bs 1, and its
+// chain, not the loads, set the time. Slices spread a large batch's lookups over several SMs.
 constexpr int kOwnedSlots = 8;
 constexpr int kOwnedWrites = kOwnedSlots;
 constexpr int kOwnedCompress = kOwnedSlots / 2;
 constexpr int kOwnerSlice = 32;
+constexpr int kOwnerLanes = kOwnerSlice * kOwnedSlots;
 
 __device__ __forceinline__ void store_entry(DecodeEntry* dst, const DecodeEntry& e) {
   *reinterpret_cast<uint4*>(dst) =
@@ -73,10 +72,12 @@ __device__ __forceinline__ int32_t shfl(int32_t v, int lane) { return __shfl_syn
 __device__ __forceinline__ ScanPair shfl(ScanPair v, int lane) { return ScanPair{shfl(v.x, lane), shfl(v.y, lane)}; }
 
 // Exclusive prefix sums in thread order over the block (a whole number of warps), and the block total.
-// Warp shuffles, then one warp over the warp totals: a fixed order, no atomics. A one-warp block (a
-// decode-size batch) needs neither shared memory nor barriers. Callers keep every sum below 2^31.
+// Warp shuffles, then one warp over the warp totals: a fixed order, no atomics. When every value past
+// the first warp is zero (one_warp, block-uniform: a decode-size batch), the first warp's sums are the
+// block's and need neither shared memory nor barriers; the total is then valid in the first warp only.
+// Callers keep every sum below 2^31.
 template <class T>
-__device__ T block_exclusive_scan(T v, T& total) {
+__device__ T block_exclusive_scan(T v, T& total, bool one_warp) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   T inc = v;
 #pragma unroll
@@ -84,7 +85,7 @@ __device__ T block_exclusive_scan(T v, T& total) {
     const T up = shfl_up(inc, d);
     if (lane >= d) inc = inc + up;
   }
-  if (warps == 1) {
+  if (one_warp) {
     total = shfl(inc, 31);
     return inc - v;
   }
@@ -137,17 +138,18 @@ struct RequestStarts {
   int64_t rid;                  // req_pool_indices[b]
 };
 
-// Sums over the tiles scanned so far; each stays at most num_q_tokens.
+// Sums over the tiles scanned so far; each stays at most num_q_tokens (with one_warp scans: in the first
+// warp only).
 struct ScanCarry {
   int32_t off, c, w;
 };
 
 // First scan: the request's ragged offset. Each term is clamped to num_q_tokens (<= 2^16) first, which
 // keeps a tile's sums below 2^31 and leaves min(offset, num_q_tokens), all that plan_request needs, exact.
-__device__ int32_t scan_offset(const PrefillPlanParams& p, const RequestInput& in, ScanCarry& carry) {
+__device__ int32_t scan_offset(const PrefillPlanParams& p, const RequestInput& in, ScanCarry& carry, bool one_warp) {
   const int32_t nq = int32_t(p.geometry.num_q_tokens);
   int32_t total;
-  const int32_t ex = block_exclusive_scan(min(in.extend_len, nq), total);
+  const int32_t ex = block_exclusive_scan(min(in.extend_len, nq), total, one_warp);
   const int32_t off = min(carry.off + ex, nq);
   carry.off = min(carry.off + total, nq);
   return off;
@@ -165,9 +167,10 @@ __device__ ScanPair counts_at(const PrefillPlanParams& p, const RequestInput& in
 
 // Second scan: the request's first plan rows, from its counts. A request plans at most its share of the
 // num_q_tokens ragged tokens, so every sum is at most num_q_tokens.
-__device__ RequestStarts scan_starts(const RequestInput& in, int32_t off, ScanPair counts, ScanCarry& carry) {
+__device__ RequestStarts scan_starts(const RequestInput& in, int32_t off, ScanPair counts, ScanCarry& carry,
+                                     bool one_warp) {
   ScanPair total;
-  const ScanPair ex = block_exclusive_scan(counts, total);
+  const ScanPair ex = block_exclusive_scan(counts, total, one_warp);
   const RequestStarts s{carry.c + ex.x, carry.w + ex.y, in.seq_len, in.extend_len, off, 0, in.rid};
   carry.c += total.x;
   carry.w += total.y;
@@ -237,136 +240,116 @@ __device__ __forceinline__ void emit_sentinels(const PrefillPlanParams& p, int32
   if (row >= total_w && row < p.rows_w) store_entry(p.plan_w + row, invalid_write_entry());
 }
 
-// ---- rows written by their request's own thread ----
+// ---- rows written by owner lanes ----
 
-// Entries view[index[k]] for the k in `mask` (0 for the others), as their bits zero-extended to 64. No
-// instruction touches a loaded value here (a sign extension would), and the dtype branch is outside the
-// loop, so all N loads are in flight at once; widen() gives the values.
-template <int N>
-__device__ __forceinline__ void load_entries(const IndexView& view, const int64_t (&index)[N], uint32_t mask,
-                                             uint64_t (&bits)[N]) {
-  if (view.is_int64) {
-    const uint64_t* data = static_cast<const uint64_t*>(view.data);
-#pragma unroll
-    for (int k = 0; k < N; ++k) bits[k] = (mask >> k & 1) ? data[index[k]] : 0;
-  } else {
-    const uint32_t* data = static_cast<const uint32_t*>(view.data);
-#pragma unroll
-    for (int k = 0; k < N; ++k) bits[k] = (mask >> k & 1) ? data[index[k]] : 0;
-  }
+// view[index] as its bits zero-extended to 64. No instruction touches the loaded value here (a sign
+// extension would stall the warp until the load returns), so it flies during the caller's scan; widen()
+// gives the value.
+__device__ __forceinline__ uint64_t load_bits(const IndexView& view, int64_t index) {
+  return view.is_int64 ? static_cast<const uint64_t*>(view.data)[index]
+                       : uint64_t(static_cast<const uint32_t*>(view.data)[index]);
 }
 
 __device__ __forceinline__ int64_t widen(const IndexView& view, uint64_t bits) {
   return view.is_int64 ? int64_t(bits) : int64_t(int32_t(uint32_t(bits)));
 }
 
-// State slots of N positions of one request. A paged lookup is two dependent loads; here each round is N
-// independent loads (req_to_token, then full_to_swa), so that the thread waits for two load latencies
-// rather than 2N, and its caller lets each round fly during a block scan. Request-ring slots need no
-// load. Index with compile-time k only (unrolled loops), or the arrays leave registers.
-template <int N>
+// The state slot of one position of a request. A paged lookup is two dependent loads (req_to_token,
+// then full_to_swa); each round issues one, and the caller runs a block scan before the next round.
+// Request-ring slots need no load.
 struct SlotPrefetch {
-  uint64_t v[N];    // paged: the entries loaded by the last round; request ring: the slots
-  uint32_t loaded;  // paged: bit k is set when v[k] was loaded (a -1 in the chain skips the load)
+  uint64_t bits;  // paged: the entry loaded by the last round; request ring: the slot
+  bool loaded;    // paged: bits were loaded (an invalid step of the chain skips the load)
 
-  // Round 1, for positions p[k] (-1: none).
-  __device__ __forceinline__ void start(const SlotLookup& s, int64_t rid, const int32_t (&p)[N]) {
+  // Round 1, for position pos (-1: none; the slot is then -1).
+  __device__ __forceinline__ void start(const SlotLookup& s, int64_t rid, int32_t pos) {
     if (!s.paged) {
-#pragma unroll
-      for (int k = 0; k < N; ++k) v[k] = uint64_t(ring_slot(s, rid, p[k]));
+      bits = uint64_t(ring_slot(s, rid, pos));
       return;
     }
-    int64_t index[N];
-    loaded = 0;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      index[k] = token_index(s, rid, p[k]);
-      loaded |= uint32_t(index[k] >= 0) << k;
-    }
-    load_entries(s.req_to_token, index, loaded, v);
+    const int64_t index = token_index(s, rid, pos);
+    loaded = index >= 0;
+    bits = loaded ? load_bits(s.req_to_token, index) : 0;
   }
 
-  // Round 2: waits for round 1's loads.
+  // Round 2: waits for round 1's load.
   __device__ __forceinline__ void advance(const SlotLookup& s) {
     if (!s.paged) return;
-    int64_t loc[N];
-    uint32_t mask = 0;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      loc[k] = checked_loc(s, (loaded >> k & 1) ? widen(s.req_to_token, v[k]) : -1);
-      mask |= uint32_t(loc[k] >= 0) << k;
-    }
-    loaded = mask;
-    load_entries(s.full_to_swa, loc, loaded, v);
+    const int64_t loc = checked_loc(s, loaded ? widen(s.req_to_token, bits) : -1);
+    loaded = loc >= 0;
+    bits = loaded ? load_bits(s.full_to_swa, loc) : 0;
   }
 
-  // Waits for round 2's loads.
-  __device__ __forceinline__ int64_t slot(const SlotLookup& s, int k) const {
-    if (!s.paged) return int64_t(v[k]);
-    return paged_slot(s, (loaded >> k & 1) ? widen(s.full_to_swa, v[k]) : -1);
+  // Waits for round 2's load.
+  __device__ __forceinline__ int64_t slot(const SlotLookup& s) const {
+    if (!s.paged) return int64_t(bits);
+    return paged_slot(s, loaded ? widen(s.full_to_swa, bits) : -1);
   }
 };
 
-// The first kOwnedWrites WritePlan rows or kOwnedCompress CompressPlan rows of one request, with their
-// slots prefetched.
-struct OwnedRows {
-  bool compress;                     // which plan's rows
-  SlotPrefetch<kOwnedSlots> slots;  // the writes' slots, or the (read_page_1, read_page_0) slots of each entry
+// Lane j < kOwnerLanes of a block of the pair that owns requests [base, base + kOwnerSlice): request
+// base + j / kOwnedSlots, row (or slot) k = j % kOwnedSlots of it. Lanes without a request look up
+// nothing and write nothing.
+struct OwnerLane {
+  bool compress;  // which plan's rows: the odd block of the pair
+  bool live;
+  int k;
+  int64_t b;
+  RequestInput in;
+  RequestPlan rp0;
+  SlotPrefetch slot;
 
   // Before the scans, so without the ragged offset: positions from the plan the request would have at
   // offset 0 (rp0). The real offset only lowers z, which cuts rows off the tail (§3.3 counts), so row k
   // of the real plan sits at the position of row k here.
-  __device__ __forceinline__ void start_lookups(const PrefillPlanParams& p, const RequestInput& in,
-                                                const RequestPlan& rp0, int64_t b) {
+  __device__ __forceinline__ void start_lookups(const PrefillPlanParams& p) {
     const PlanGeometry& g = p.geometry;
-    int32_t pos[kOwnedSlots];
+    const int j = threadIdx.x;
+    compress = blockIdx.x % 2 == 1;
+    k = j % kOwnedSlots;
+    b = int64_t(blockIdx.x / 2) * kOwnerSlice + j / kOwnedSlots;
+    live = j < kOwnerLanes && b < p.batch;
+    in = load_request(p, live ? b : p.batch);
+    rp0 = plan_at_zero(p, in);
+    int32_t pos = -1;
     if (compress) {
-#pragma unroll
-      for (int k = 0; k < kOwnedCompress; ++k) {
-        const CompressReads r =
-            k < rp0.n_c ? compress_reads(compress_entry_stage0(g, rp0, k, b), g.ratio) : CompressReads{-1, -1};
-        pos[2 * k] = r.p1;
-        pos[2 * k + 1] = r.p0;
+      if (k / 2 < rp0.n_c) {
+        const CompressReads r = compress_reads(compress_entry_stage0(g, rp0, k / 2, b), g.ratio);
+        pos = k % 2 == 0 ? r.p1 : r.p0;
       }
-    } else {
-#pragma unroll
-      for (int k = 0; k < kOwnedWrites; ++k) pos[k] = k < rp0.n_w ? write_position(g, rp0, k) : -1;
+    } else if (k < rp0.n_w) {
+      pos = write_position(g, rp0, k);
     }
-    slots.start(p.lookup, in.rid, pos);
+    slot.start(p.lookup, in.rid, pos);
   }
 
-  __device__ __forceinline__ void continue_lookups(const PrefillPlanParams& p) { slots.advance(p.lookup); }
+  __device__ __forceinline__ void continue_lookups(const PrefillPlanParams& p) { slot.advance(p.lookup); }
 
-  // After the scans: the final entries, at the request's rows (start + k < total <= num_q_tokens rows). The
-  // real plan is rp0 with the real ragged offset and counts (see start_lookups), so it is not planned again.
-  __device__ __forceinline__ void write(const PrefillPlanParams& p, const RequestPlan& rp0, const RequestStarts& s,
-                                        ScanPair counts, int64_t b) const {
+  // After the scans (every thread of the warp, for the shuffle): the lane's row of the real plan, rp0 with
+  // the real ragged offset and counts (see start_lookups), at its request's rows (start + k < total <=
+  // num_q_tokens rows). A compress row takes read_page_1's slot from its even lane and read_page_0's
+  // from the odd lane.
+  __device__ __forceinline__ void write(const PrefillPlanParams& p, const RequestStarts* starts) const {
     const PlanGeometry& g = p.geometry;
-    int32_t slot[kOwnedSlots];  // in [-1, 2^31): half the registers of the loaded entries
-#pragma unroll
-    for (int k = 0; k < kOwnedSlots; ++k) slot[k] = int32_t(slots.slot(p.lookup, k));
+    const int32_t mine = int32_t(slot.slot(p.lookup));  // in [-1, 2^31)
+    const int32_t odd_lanes = __shfl_xor_sync(0xFFFFFFFFu, mine, 1);
+    if (!live) return;
+    const RequestStarts s = starts[b];
+    const ScanPair counts = counts_at(p, in, rp0, s.off);
     RequestPlan rp = rp0;
     rp.off = s.off;
     rp.n_c = counts.x;
     rp.n_w = counts.y;
     if (compress) {
-#pragma unroll
-      for (int k = 0; k < kOwnedCompress; ++k) {
-        if (k < rp.n_c) {
-          CompressEntry e = compress_entry_stage0(g, rp, k, b);
-          set_compress_pages(e, slot[2 * k], slot[2 * k + 1], g.ratio);
-          store_entry(p.plan_c + s.start_c + k, e);
-        }
+      if (k % 2 == 0 && k / 2 < rp.n_c) {
+        CompressEntry e = compress_entry_stage0(g, rp, k / 2, b);
+        set_compress_pages(e, mine, odd_lanes, g.ratio);
+        store_entry(p.plan_c + s.start_c + k / 2, e);
       }
-    } else {
-#pragma unroll
-      for (int k = 0; k < kOwnedWrites; ++k) {
-        if (k < rp.n_w) {
-          WriteEntry e = write_entry_stage0(g, rp, k, b);
-          set_write_slot(e, slot[k]);
-          store_entry(p.plan_w + s.start_w + k, e);
-        }
-      }
+    } else if (k < rp.n_w) {
+      WriteEntry e = write_entry_stage0(g, rp, k, b);
+      set_write_slot(e, mine);
+      store_entry(p.plan_w + s.start_w + k, e);
     }
   }
 };
@@ -374,36 +357,38 @@ struct OwnedRows {
 // ---- kernels ----
 
 // Batches of at most kScanTile requests, one launch. A block has one thread per request, rounded up to a
-// warp (a decode-size batch runs one warp, whose scans need no barrier); every block scans the whole
-// batch (cheap and redundant), then covers blockDim.x rows of each plan. The owner threads (kOwnerSlice)
-// also write their request's first rows: the positions need only the request's own lengths, so the
-// table loads are issued before the scans and fly during them. A verify step then waits for about the
-// decode planner's chain of loads, not for scans, then a search, then the loads; and as no request has
-// further rows, the other rows are sentinels, found without a search.
+// warp, and at least the owner lanes of its slice; every block scans the whole batch (cheap and
+// redundant; a batch of one warp needs no barrier), then covers blockDim.x rows of each plan. The owner
+// lanes write the requests' first rows: the positions need only the request's own lengths, so the table
+// loads are issued before the scans and fly during them. A verify step then waits for about the decode
+// planner's chain of loads, not for scans, then a search, then the loads; and as no request has further
+// rows, the other rows are sentinels, found without a search.
 __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPlanParams p) {
   __shared__ RequestStarts starts[kScanTile];
+  __shared__ ScanPair totals;
   pdl_wait_dependencies();
   pdl_launch_dependents();
+  OwnerLane own;
+  own.start_lookups(p);
   const int b = threadIdx.x;
+  const bool one_warp = p.batch <= 32;
   const RequestInput in = load_request(p, b);
   const RequestPlan rp0 = plan_at_zero(p, in);
-  const bool owner = in.live && b / kOwnerSlice == int(blockIdx.x / 2);
-  OwnedRows own;
-  own.compress = blockIdx.x % 2 == 1;
-  if (owner) own.start_lookups(p, in, rp0, b);
   ScanCarry carry{0, 0, 0};
-  const int32_t off = scan_offset(p, in, carry);
-  if (owner) own.continue_lookups(p);
+  const int32_t off = scan_offset(p, in, carry, one_warp);
+  own.continue_lookups(p);
   const ScanPair counts = counts_at(p, in, rp0, off);
-  const RequestStarts s = scan_starts(in, off, counts, carry);
+  const RequestStarts s = scan_starts(in, off, counts, carry, one_warp);
   if (in.live) starts[b] = s;
+  if (b == 0) totals = ScanPair{carry.c, carry.w};
   const bool unowned_rows = __syncthreads_or(counts.x > kOwnedCompress || counts.y > kOwnedWrites);
-  if (owner) own.write(p, rp0, s, counts, b);  // first: its registers are free before the row path's
+  own.write(p, starts);
+  const ScanPair total = totals;
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + b;
   if (unowned_rows) {
-    emit_rows(p, starts, carry.c, carry.w, row, kOwnedCompress, kOwnedWrites);
+    emit_rows(p, starts, total.x, total.y, row, kOwnedCompress, kOwnedWrites);
   } else {
-    emit_sentinels(p, carry.c, carry.w, row);
+    emit_sentinels(p, total.x, total.y, row);
   }
 }
 
@@ -416,8 +401,8 @@ __global__ void __launch_bounds__(kScanTile) prefill_scan_kernel(PrefillPlanPara
   for (int64_t base = 0; base < p.batch; base += kScanTile) {
     const RequestInput in = load_request(p, base + threadIdx.x);
     const RequestPlan rp0 = plan_at_zero(p, in);
-    const int32_t off = scan_offset(p, in, carry);
-    const RequestStarts s = scan_starts(in, off, counts_at(p, in, rp0, off), carry);
+    const int32_t off = scan_offset(p, in, carry, false);
+    const RequestStarts s = scan_starts(in, off, counts_at(p, in, rp0, off), carry, false);
     if (in.live) starts[base + threadIdx.x] = s;
   }
   if (threadIdx.x == 0) {
@@ -483,7 +468,9 @@ void prefill_plan_cuda(const PrefillPlanParams& p, int32_t* scratch, cudaStream_
   const int64_t rows = p.rows_c > p.rows_w ? p.rows_c : p.rows_w;
   if (rows == 0) return;
   if (p.batch <= kScanTile) {
-    const int threads = p.batch <= 32 ? 32 : int((p.batch + 31) / 32 * 32);  // one per request, whole warps
+    // One thread per request and the slice's owner lanes, in whole warps.
+    const int64_t lanes = kOwnedSlots * (p.batch < kOwnerSlice ? p.batch : kOwnerSlice);
+    const int threads = int(((p.batch > lanes ? p.batch : lanes) + 31) / 32 * 32);
     const unsigned row_blocks = blocks_for(rows, threads), owner_blocks = 2 * blocks_for(p.batch, kOwnerSlice);
     launch_kernel(prefill_plan_fused_kernel, dim3(row_blocks > owner_blocks ? row_blocks : owner_blocks),
                   dim3(threads), 0, stream, "plan_compress_prefill", p);
