@@ -71,6 +71,25 @@ __device__ __forceinline__ ScanPair shfl_up(ScanPair v, int d) { return ScanPair
 __device__ __forceinline__ int32_t shfl(int32_t v, int lane) { return __shfl_sync(0xFFFFFFFFu, v, lane); }
 __device__ __forceinline__ ScanPair shfl(ScanPair v, int lane) { return ScanPair{shfl(v.x, lane), shfl(v.y, lane)}; }
 
+// A request's ragged tokens and its (compress, write) rows, scanned together.
+struct ScanTriple {
+  int32_t tokens;
+  ScanPair rows;
+};
+
+__device__ __forceinline__ ScanTriple operator+(ScanTriple a, ScanTriple b) {
+  return ScanTriple{a.tokens + b.tokens, a.rows + b.rows};
+}
+__device__ __forceinline__ ScanTriple operator-(ScanTriple a, ScanTriple b) {
+  return ScanTriple{a.tokens - b.tokens, a.rows - b.rows};
+}
+__device__ __forceinline__ ScanTriple shfl_up(ScanTriple v, int d) {
+  return ScanTriple{shfl_up(v.tokens, d), shfl_up(v.rows, d)};
+}
+__device__ __forceinline__ ScanTriple shfl(ScanTriple v, int lane) {
+  return ScanTriple{shfl(v.tokens, lane), shfl(v.rows, lane)};
+}
+
 // Exclusive prefix sums in thread order over the block (a whole number of warps), and the block total.
 // Warp shuffles, then one warp over the warp totals: a fixed order, no atomics. When every value past
 // the first warp is zero (one_warp, block-uniform: a decode-size batch), the first warp's sums are the
@@ -374,16 +393,31 @@ __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPl
   const bool one_warp = p.batch <= 32;
   const RequestInput in = load_request(p, b);
   const RequestPlan rp0 = plan_at_zero(p, in);
-  ScanCarry carry{0, 0, 0};
-  const int32_t off = scan_offset(p, in, carry, one_warp);
+  // One scan of the tokens and of the rows at ragged offset 0. Each token term is clamped to nq + 1
+  // (sums stay below 2^31), so the total is at most nq exactly when every request fits below num_q_tokens
+  // and plans its rows at offset 0: the common case needs no second scan.
+  const int32_t nq = p.geometry.num_q_tokens;
+  ScanTriple sum;
+  const ScanTriple ex =
+      block_exclusive_scan(ScanTriple{min(in.extend_len, nq + 1), ScanPair{rp0.n_c, rp0.n_w}}, sum, one_warp);
   own.continue_lookups(p);
-  const ScanPair counts = counts_at(p, in, rp0, off);
-  const RequestStarts s = scan_starts(in, off, counts, carry, one_warp);
+  ScanPair counts{rp0.n_c, rp0.n_w};
+  RequestStarts s{ex.rows.x, ex.rows.y, in.seq_len, in.extend_len, ex.tokens, 0, in.rid};
+  ScanPair total = sum.rows;
+  if (sum.tokens > nq) {  // uniform: the total is the block's (or, with one_warp, the warp's)
+    // A request cut short by an underfilled num_q_tokens: the offsets saturate there, and every row
+    // count from that request on is planned again at its offset, then scanned.
+    const int32_t off = min(ex.tokens, nq);
+    counts = counts_at(p, in, rp0, off);
+    ScanCarry carry{0, 0, 0};
+    s = scan_starts(in, off, counts, carry, one_warp);
+    total = ScanPair{carry.c, carry.w};
+  }
   if (in.live) starts[b] = s;
-  if (b == 0) totals = ScanPair{carry.c, carry.w};
+  if (b == 0) totals = total;
   const bool unowned_rows = __syncthreads_or(counts.x > kOwnedCompress || counts.y > kOwnedWrites);
   own.write(p, starts);
-  const ScanPair total = totals;
+  total = totals;
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + b;
   if (unowned_rows) {
     emit_rows(p, starts, total.x, total.y, row, kOwnedCompress, kOwnedWrites);
