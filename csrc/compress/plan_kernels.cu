@@ -387,8 +387,11 @@ __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPl
   __shared__ ScanPair totals;
   pdl_wait_dependencies();
   pdl_launch_dependents();
+  // Warp-uniform: the warps past the slice's owner lanes, and every warp of a block past the owner
+  // blocks, skip the owner path whole (a batch of 1024 requests has 24 such warps per block).
+  const bool owner_warp = int(threadIdx.x & ~31u) < kOwnerLanes && int64_t(blockIdx.x / 2) * kOwnerSlice < p.batch;
   OwnerLane own;
-  own.start_lookups(p);
+  if (owner_warp) own.start_lookups(p);
   const int b = threadIdx.x;
   const bool one_warp = p.batch <= 32;
   const RequestInput in = load_request(p, b);
@@ -400,7 +403,7 @@ __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPl
   ScanTriple sum;
   const ScanTriple ex =
       block_exclusive_scan(ScanTriple{min(in.extend_len, nq + 1), ScanPair{rp0.n_c, rp0.n_w}}, sum, one_warp);
-  own.continue_lookups(p);
+  if (owner_warp) own.continue_lookups(p);
   ScanPair counts{rp0.n_c, rp0.n_w};
   RequestStarts s{ex.rows.x, ex.rows.y, in.seq_len, in.extend_len, ex.tokens, 0, in.rid};
   ScanPair total = sum.rows;
@@ -416,7 +419,7 @@ __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPl
   if (in.live) starts[b] = s;
   if (b == 0) totals = total;
   const bool unowned_rows = __syncthreads_or(counts.x > kOwnedCompress || counts.y > kOwnedWrites);
-  own.write(p, starts);
+  if (owner_warp) own.write(p, starts);
   total = totals;
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + b;
   if (unowned_rows) {
