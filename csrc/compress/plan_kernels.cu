@@ -91,10 +91,12 @@ __device__ __forceinline__ ScanTriple shfl(ScanTriple v, int lane) {
 }
 
 // Exclusive prefix sums in thread order over the block (a whole number of warps), and the block total.
-// Warp shuffles, then one warp over the warp totals: a fixed order, no atomics. When every value past
-// the first warp is zero (one_warp, block-uniform: a decode-size batch), the first warp's sums are the
-// block's and need neither shared memory nor barriers; the total is then valid in the first warp only.
-// Callers keep every sum below 2^31.
+// Warp shuffles, then every warp scans the warp totals itself (one barrier, no second round through
+// shared memory): a fixed order, no atomics. When every value past the first warp is zero (one_warp,
+// block-uniform: a decode-size batch), the first warp's sums are the block's and need neither shared
+// memory nor barriers; the total is then valid in the first warp only. Each T has its own warp totals:
+// a caller that scans the same T again must put a barrier between the scans. Callers keep every sum
+// below 2^31.
 template <class T>
 __device__ T block_exclusive_scan(T v, T& total, bool one_warp) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -108,25 +110,18 @@ __device__ T block_exclusive_scan(T v, T& total, bool one_warp) {
     total = shfl(inc, 31);
     return inc - v;
   }
-  __shared__ T warp_sums[33];  // exclusive prefix of each warp, then the block total
-  if (lane == 31) warp_sums[warp] = inc;
+  __shared__ T warp_totals[32];
+  if (lane == 31) warp_totals[warp] = inc;
   __syncthreads();
-  if (warp == 0) {
-    const T own = lane < warps ? warp_sums[lane] : T{};
-    T w = own;
+  const T own = lane < warps ? warp_totals[lane] : T{};
+  T w = own;
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const T up = shfl_up(w, d);
-      if (lane >= d) w = w + up;
-    }
-    if (lane < warps) warp_sums[lane] = w - own;
-    if (lane == warps - 1) warp_sums[32] = w;
+  for (int d = 1; d < 32; d <<= 1) {
+    const T up = shfl_up(w, d);
+    if (lane >= d) w = w + up;
   }
-  __syncthreads();
-  const T base = warp_sums[warp];
-  total = warp_sums[32];
-  __syncthreads();  // warp_sums is reused by the next scan
-  return base + inc - v;
+  total = shfl(w, warps - 1);
+  return shfl(w - own, warp) + inc - v;
 }
 
 // ---- per-request scans ----
@@ -441,6 +436,7 @@ __global__ void __launch_bounds__(kScanTile) prefill_scan_kernel(PrefillPlanPara
     const int32_t off = scan_offset(p, in, carry, false);
     const RequestStarts s = scan_starts(in, off, counts_at(p, in, rp0, off), carry, false);
     if (in.live) starts[base + threadIdx.x] = s;
+    __syncthreads();  // the next tile's scans reuse the warp totals
   }
   if (threadIdx.x == 0) {
     RequestStarts total{};
