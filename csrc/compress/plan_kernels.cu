@@ -9,8 +9,8 @@ namespace dsv4 {
 
 namespace {
 
-// Batches up to this size are planned in one launch with one thread per request; larger ones are scanned
-// in tiles of this size.
+// Batches up to this size are planned in one launch with (at least) one thread per request; larger ones
+// are scanned in tiles of this size.
 constexpr int kScanTile = 1024;
 constexpr int kRowThreads = 256;  // rows are latency chains: spread them over blocks
 // The one-launch planner writes each request's first rows from owner lanes, which start their table
@@ -160,10 +160,10 @@ struct ScanCarry {
 
 // First scan: the request's ragged offset. Each term is clamped to num_q_tokens (<= 2^16) first, which
 // keeps a tile's sums below 2^31 and leaves min(offset, num_q_tokens), all that plan_request needs, exact.
-__device__ int32_t scan_offset(const PrefillPlanParams& p, const RequestInput& in, ScanCarry& carry, bool one_warp) {
+__device__ int32_t scan_offset(const PrefillPlanParams& p, const RequestInput& in, ScanCarry& carry) {
   const int32_t nq = int32_t(p.geometry.num_q_tokens);
   int32_t total;
-  const int32_t ex = block_exclusive_scan(min(in.extend_len, nq), total, one_warp);
+  const int32_t ex = block_exclusive_scan(min(in.extend_len, nq), total, false);
   const int32_t off = min(carry.off + ex, nq);
   carry.off = min(carry.off + total, nq);
   return off;
@@ -306,7 +306,7 @@ struct SlotPrefetch {
 // nothing and write nothing.
 struct OwnerLane {
   bool compress;  // which plan's rows: the odd block of the pair
-  bool live;
+  bool live;      // the lane has a request
   int k;
   int64_t b;
   RequestInput in;
@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(kScanTile) prefill_scan_kernel(PrefillPlanPara
   for (int64_t base = 0; base < p.batch; base += kScanTile) {
     const RequestInput in = load_request(p, base + threadIdx.x);
     const RequestPlan rp0 = plan_at_zero(p, in);
-    const int32_t off = scan_offset(p, in, carry, false);
+    const int32_t off = scan_offset(p, in, carry);
     const RequestStarts s = scan_starts(in, off, counts_at(p, in, rp0, off), carry, false);
     if (in.live) starts[base + threadIdx.x] = s;
     __syncthreads();  // the next tile's scans reuse the warp totals
