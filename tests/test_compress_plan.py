@@ -138,8 +138,8 @@ CONFIG_IDS = ["c4-ring8-paged", "c4-ring16-paged", "c4-ring16-reqring", "c128-ri
               "c4-ring24-paged-sps120", "c128-ring384"]
 
 
-# GPU-input path: B <= 32 runs one warp, 100 several (with more rows than a request's thread writes
-# itself), 1025 and 3000 the two-launch path.
+# GPU-input path: B <= 32 runs one warp, 100 several (with more rows than a request's owner lanes
+# write), 1025 and 3000 the two-launch path.
 BATCHES = [1, 7, 100, 1025, 3000]
 
 
@@ -225,10 +225,10 @@ def test_gpu_path_out_of_envelope_inputs_stay_in_bounds(ratio, ring, paged, sps)
 @pytest.mark.parametrize("B", [1, 7, 32, 33, 100, 300, 1024])
 @pytest.mark.parametrize("ratio,ring,paged,sps", CONFIGS, ids=CONFIG_IDS)
 def test_gpu_path_verify_batches(B, ratio, ring, paged, sps):
-    """Verify/extend batches of decode size (every E <= 8), whose rows the GPU path's per-request threads
-    write themselves, the rest of each plan being sentinels: one warp (B <= 32) or several, one slice of
-    256 owner threads or several, padded rows (rid 0, prefix 0), invalid lookups, both table dtypes, spare
-    rows, and an underfilled num_q_tokens that cuts a request's rows short."""
+    """Verify/extend batches of decode size (every E <= 8), whose rows the GPU path's owner lanes write
+    (one row each), the rest of each plan being sentinels: one scanning warp (B <= 32) or several, one
+    slice of 32 requests or several, padded rows (rid 0, prefix 0), invalid lookups, both table dtypes,
+    spare rows, and an underfilled num_q_tokens that cuts a request's rows short (the second scan)."""
     c = random_case(B, ratio, ring, paged, "verify", sps=sps, max_extend=9)
     pad = torch.rand(B, generator=gen("verify-pad", B, ratio, ring)) < 0.2
     c["rids"][pad] = 0
