@@ -59,6 +59,15 @@ def test_prefill_from_scratch(device, ratio):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_c128_prefill_many_windows(device):
+    """A c128 prefill of 70 windows (one warp per window on CUDA, where short plans share a window among
+    warps), then an extend that reads the ring: outputs against the fp64 truth, state rows exact."""
+    e = Engine(128, 512, 256, paged=False, num_requests=2, max_tokens=9216, device=device, seed=("c128-many",))
+    e.extend([1, 2], [128 * 70 + 5, 128 * 2])
+    e.extend([2, 1], [128 * 66 + 3, 130])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_prefill_then_decode_across_boundaries(device, ratio):
     if ratio == 4:
@@ -288,6 +297,63 @@ def test_hand_built_plan_rows_skip_and_stay_in_bounds(device):
     truth2 = ref.compress_entries_fp64(x[:8].cpu(), ape.cpu(), r, D)[1]
     torch.testing.assert_close(out[2].double().cpu(), truth2, atol=2e-5, rtol=2e-5)
     assert torch.all(torch.isfinite(out[3]))
+
+
+def _c128_window_truth(state, x, ape, seq_len, ragged_id, buffer_len, page):
+    """fp64 pooled row of one hand-built c128 CompressPlan row, by compressors.md §4.2's slot rules written
+    out directly: slot k < buffer_len is ring row page·128 + k (pad if the page is out of range), else input
+    row ragged_id − 127 + k (pad if out of range)."""
+    D = ape.shape[1]
+    pages = state.shape[0] // 128
+    kv = torch.zeros(128, D, dtype=torch.float64)
+    s = torch.full((128, D), float("-inf"), dtype=torch.float64)
+    for k in range(128):
+        if k < buffer_len:
+            row = state[page * 128 + k] if 0 <= page < pages else None
+        else:
+            i = ragged_id - 127 + k
+            row = x[i] if 0 <= i < x.shape[0] else None
+        if row is not None:
+            kv[k] = row[:D].double()
+            s[k] = row[D:].double() + ape[k].double()
+    if bool(torch.isinf(s).all()):
+        return torch.zeros(D, dtype=torch.float64)
+    return (torch.softmax(s, 0) * kv).sum(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padding_rows", [0, 100], ids=["7-rows", "107-rows"])
+def test_c128_hand_built_prefill_rows_read_only_their_slots(device, padding_rows):
+    """c128 prefill windows split into a ring range and an input range: ring slots of an out-of-range page
+    and input rows before 0 or past the input are pad, every other slot is read once. Rows whose ranges end
+    inside a group of slots (buffer_len 50, 100, 1), windows cut at either end of the input, and a fully pad
+    window (zeros), against the fp64 slot rules. A short plan shares each window among a block's warps, a
+    long one (invalid rows appended) gives each window one warp."""
+    D, r = 512, 128
+    g = gen("hand-c128")
+    state = dsv4.alloc_compress_state(r, D, 3, 128, device=device)
+    state[:-r] = torch.randn(state.shape[0] - r, 2 * D, generator=g).to(device)
+    before = state.clone()
+    x = torch.randn(200, 2 * D, generator=g).to(device)
+    ape = torch.randn(128, D, generator=g).to(device)
+    rows = [
+        (0xFFFFFFFF, 0, 0, -1, -1),    # sentinel: zeros
+        (256, 127, 50, -1, 1),         # ring slots 0..49 of page 1, input rows 50..127
+        (384, 190, 100, -1, 1000),     # page out of range: slots 0..99 pad, input rows 163..190
+        (128, 60, 0, -1, -1),          # input rows before 0: slots 0..66 pad, rows 0..60
+        (512, 230, 1, -1, 2),          # one ring slot; input rows past 199 are pad
+        (640, 65535, 0, -1, -1),       # every slot pad: zeros, finite
+        (768, 199, 0, -1, -1),         # the whole window from the input, its last row the input's last
+    ]
+    plan = ref.pack_compress_plan(rows + [(0xFFFFFFFF, 0, 0, -1, -1)] * padding_rows, device)
+    out = dsv4.compress_forward(state, x, ape, plan, ref.pack_write_plan([(0xFFFFFFFF, 0)], device), head_dim=D,
+                                compress_ratio=r, is_decode=False)
+    assert torch.equal(state, before), "the only write row is invalid"
+    assert torch.all(out[0] == 0) and torch.all(out[5] == 0) and torch.all(out[len(rows):] == 0)
+    s_cpu, x_cpu, ape_cpu = before.cpu(), x.cpu(), ape.cpu()
+    for k, (seq_len, rid, blen, _, page) in enumerate(rows[1:], start=1):
+        truth = _c128_window_truth(s_cpu, x_cpu, ape_cpu, seq_len, rid, blen, page)
+        torch.testing.assert_close(out[k].double().cpu(), truth, atol=2e-5, rtol=2e-5, msg=f"plan row {k}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -629,28 +695,29 @@ def test_cuda_graph_replay_decode_and_gpu_prefill(ratio):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("D", [512, 128])
+@pytest.mark.parametrize("ratio,D,ring,prefix,E", [(4, 512, 16, [37, 300], [50, 9]), (4, 128, 16, [37, 300], [50, 9]),
+                                                   (128, 512, 256, [137, 300], [246, 90])],
+                         ids=["c4-D512", "c4-D128", "c128"])
 @pytest.mark.parametrize("input_dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                      (torch.bfloat16, torch.bfloat16)], ids=["f32", "bf16-f32", "bf16"])
-def test_c4_input_strides_give_identical_bytes(D, input_dtype, state_dtype):
-    """c4 kernels use vector loads for aligned input rows and scalar loads otherwise: an extend that reads
-    ring rows and input rows, then a decode step, give the same outputs and state from row strides W,
-    W + 4 (vector loads), W + 2 and W + 1 (scalar loads), each a view into a wider buffer."""
-    e = Engine(4, D, 16, paged=False, num_requests=2, max_tokens=2048, state_dtype=state_dtype,
-               input_dtype=input_dtype, device="cuda", seed=("strides", D))
-    e.extend([1, 2], [37, 300])
+def test_input_strides_give_identical_bytes(ratio, D, ring, prefix, E, input_dtype, state_dtype):
+    """The kernels use vector loads for aligned input rows and scalar loads otherwise: an extend that reads
+    ring rows and input rows, then a decode step in which request 1 closes a chunk, give the same outputs and
+    state from row strides W, W + 4 (vector loads), W + 2 and W + 1 (scalar loads), each a view into a wider
+    buffer."""
+    e = Engine(ratio, D, ring, paged=False, num_requests=2, max_tokens=2048, state_dtype=state_dtype,
+               input_dtype=input_dtype, device="cuda", seed=("strides", ratio, D))
+    e.extend([1, 2], prefix)
     r2t, f2s = e.tables()
-    E = [50, 9]
     L = [len(e.history[1]) + E[0], len(e.history[2]) + E[1]]
     plan = dsv4.plan_compress_prefill(torch.tensor([1, 2], device="cuda"), torch.tensor(L, device="cuda"),
                                       torch.tensor(E, device="cuda"), r2t, f2s, num_q_tokens=sum(E),
                                       **e.plan_kwargs())
     assert int(ref.unpack_plan(plan.plan, "compress")["buffer_len"].max()) > 0, "the extend must read the ring"
-    # Then a decode step in which request 1 closes a chunk (seq_len 88) and request 2 does not.
     decode_plan = dsv4.plan_compress_decode(torch.tensor([1, 2], device="cuda"),
                                             torch.tensor([L[0] + 1, L[1] + 1], device="cuda"), r2t, f2s,
                                             **e.plan_kwargs())
-    assert (L[0] + 1) % 4 == 0 and (L[1] + 1) % 4 != 0
+    assert (L[0] + 1) % ratio == 0 and (L[1] + 1) % ratio != 0
     x = e.rows(sum(E)).to("cuda", input_dtype)
     x_decode = e.rows(2).to("cuda", input_dtype)
 
