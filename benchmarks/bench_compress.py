@@ -15,7 +15,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import reference as ref
 
 from . import torch_impls_compress as torch_impls
-from .harness import Bench, compiled, row, torch_baseline_us
+from .harness import Bench, compiled, flat_copy_single_us, row, torch_baseline_us
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 PREFILL_TOKENS = (4096, 32768, 131072)
@@ -136,8 +136,10 @@ def _prefill(bench, results, ratio, head_dim, ring, use_torch):
                 for xs, plan in chunks:
                     theirs(state, xs, ape, plan.plan, plan.plan_w, head_dim, ratio)
             t_us = torch_baseline_us(lambda: bench.time_single(torch_version))
+        nbytes = _prefill_bytes(ratio, head_dim, plans)
         results.append(row(bench, family="compress", op="compress_forward", case=f"{name} prefill", n=tokens, us=us,
-                           nbytes=_prefill_bytes(ratio, head_dim, plans), torch_us=t_us, target=">= 85 %"))
+                           nbytes=nbytes, torch_us=t_us, baseline_us=flat_copy_single_us(bench, nbytes),
+                           target=">= 85 %"))
         del x, state, chunks
 
 
