@@ -162,7 +162,7 @@ template <int N>
 __device__ __forceinline__ SoftmaxPartial softmax_partial(const float* s, const float* v) {
   float m = s[0];
 #pragma unroll
-  for (int k = 1; k < N; ++k) m = s[k] > m ? s[k] : m;
+  for (int k = 1; k < N; ++k) m = fmaxf(m, s[k]);  // one instruction; a compare and select agree but on NaN
   SoftmaxPartial r{m, 0.f, 0.f};
   if (m == __int_as_float(0xFF800000)) return r;
 #pragma unroll
@@ -196,6 +196,33 @@ __device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c
     l[k].resolve(value, score);
     s[0][k] = score.x; s[1][k] = score.y; s[2][k] = score.z; s[3][k] = score.w;
     v[0][k] = value.x; v[1][k] = value.y; v[2][k] = value.z; v[3][k] = value.w;
+  }
+  return make_float4(softmax_pool<kWindow>(s[0], v[0]), softmax_pool<kWindow>(s[1], v[1]),
+                     softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
+}
+
+// c4, a window whose 8 slots are all input rows src − 7 .. src (no ring slot, no pad: every prefill window
+// but a request's first and those that read the ring): the rows one stride apart and each slot's columns
+// fixed, instead of slot_source's per-slot search and the pad and ring selects, which took more instructions
+// than the pooling itself.
+template <bool InBf16, bool Vec>
+__device__ float4 pool_c4_input(const ForwardParams& p, const PoolWindow& w, int64_t c) {
+  using T = typename std::conditional<InBf16, uint16_t, float>::type;
+  constexpr int kWindow = 8;
+  const int64_t D = p.head_dim;
+  const T* first = static_cast<const T*>(p.input) + (w.src - (kWindow - 1)) * p.input_stride + c;
+  float4 value[kWindow], score[kWindow];
+#pragma unroll
+  for (int k = 0; k < kWindow; ++k) {
+    const T* row = first + k * p.input_stride;
+    value[k] = load4<InBf16, Vec>(row, value_column(4, k, D));
+    score[k] = add4(load4<InBf16, Vec>(row, score_column(4, k, D)), load4<false, Vec>(p.ape, int64_t(k) * D + c));
+  }
+  float s[4][kWindow], v[4][kWindow];
+#pragma unroll
+  for (int k = 0; k < kWindow; ++k) {
+    s[0][k] = score[k].x; s[1][k] = score[k].y; s[2][k] = score[k].z; s[3][k] = score[k].w;
+    v[0][k] = value[k].x; v[1][k] = value[k].y; v[2][k] = value[k].z; v[3][k] = value[k].w;
   }
   return make_float4(softmax_pool<kWindow>(s[0], v[0]), softmax_pool<kWindow>(s[1], v[1]),
                      softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
@@ -478,8 +505,10 @@ __global__ void __launch_bounds__(kC4Threads) c4_prefill_kernel(ForwardParams p)
   pdl_wait_dependencies();
   if (k >= p.plan_rows) return;
   const PoolWindow w = prefill_window(load_compress_entry(p.plan + k * kPlanRowBytes));
+  const bool all_input = w.buffer_len == 0 && w.p >= compress_window(4) - 1 && w.src >= compress_window(4) - 1 &&
+                         w.src < p.input_rows;  // uniform in the row's threads: a warp or a block
   float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (w.emits) out = pool_c4<InBf16, StBf16, Vec>(p, w, c);
+  if (w.emits) out = all_input ? pool_c4_input<InBf16, Vec>(p, w, c) : pool_c4<InBf16, StBf16, Vec>(p, w, c);
   pdl_launch_dependents();
   store4<InBf16, Vec>(p.out, k * D + c, out);
 }
