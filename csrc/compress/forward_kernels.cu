@@ -648,8 +648,8 @@ __global__ void __launch_bounds__(kC128Threads, 3) c128_decode_mixed_kernel(Forw
 // Σ v·exp(s − max)) per channel, kC128PrefillSlots slots per lane at a time, and merges its slot lanes by
 // shuffles. A lane pools up to 128 (channel, slot) pairs per window, so the per-window work (plan row,
 // bounds, merge, division) is spread over 8x the pairs of the earlier block-per-window kernel, whose 256
-// threads pooled 16 pairs each and merged through shared memory (ncu, 64K tokens: 47 M warp instructions;
-// H200, 128K tokens, fp32: 160-165 -> 144-148 us, 80 -> 86-91 % of copy). A small prefill has too few
+// threads pooled 16 pairs each and merged through shared memory (ncu, 64K tokens: 47 M warp instructions
+// against 23 M now; H200, 128K tokens, fp32: 160-165 -> 144-148 us, 80 -> 86-91 % of copy). A small prefill has too few
 // windows to fill the GPU with one warp each: then the block's warps share a window's slots and merge
 // through shared memory.
 constexpr int kC128PrefillWarps = 4;
@@ -661,6 +661,11 @@ struct RunningSoftmax4 {
   float m[4], l[4], a[4];
 };
 
+// Channel j of a float4.
+__device__ __forceinline__ float channel(const float4& x, int j) {
+  return j == 0 ? x.x : j == 1 ? x.y : j == 2 ? x.z : x.w;
+}
+
 // Folds the scores (ape added) and values of a group of kSlots slots into r (per channel: the new max M,
 // r rescaled by exp(m − M), then the group's terms). M = −inf (every slot so far pad) is replaced by 0 in
 // the exponents, so that exp(−inf − M) is 0, never NaN.
@@ -668,18 +673,17 @@ template <int kSlots>
 __device__ __forceinline__ void fold_group(RunningSoftmax4& r, const float4 (&s)[kSlots], const float4 (&v)[kSlots]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const auto at = [j](const float4& x) { return j == 0 ? x.x : j == 1 ? x.y : j == 2 ? x.z : x.w; };
     float m = r.m[j];
 #pragma unroll
-    for (int i = 0; i < kSlots; ++i) m = fmaxf(m, at(s[i]));  // one instruction; max_of's two agree but on NaN
+    for (int i = 0; i < kSlots; ++i) m = fmaxf(m, channel(s[i], j));  // one instruction (max_of: two)
     const float shift = m == __int_as_float(0xFF800000) ? 0.f : m;
     const float rescale = expf(r.m[j] - shift);
     float l = r.l[j] * rescale, a = r.a[j] * rescale;
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
-      const float e = expf(at(s[i]) - shift);
+      const float e = expf(channel(s[i], j) - shift);
       l += e;
-      a += at(v[i]) * e;
+      a += channel(v[i], j) * e;
     }
     r.m[j] = m; r.l[j] = l; r.a[j] = a;
   }
@@ -745,9 +749,9 @@ __device__ __forceinline__ void merge_slot_lanes(RunningSoftmax4& r) {
   }
 }
 
-// Folds window k's slots [lo, hi) into r: slot_source's rules as two ranges, [0, buffer_len) from ring page
-// read_page_1 (none if the page is out of range), then the input rows src − 127 + k that exist; every other
-// slot is pad.
+// Folds the window's slots [lo, hi) into r: slot_source's rules as two ranges, slots [0, buffer_len) from
+// ring page read_page_1 (none if the page is out of range), then slot k from input row src − 127 + k where
+// that row exists; every other slot is pad.
 template <bool InBf16, bool StBf16, bool Vec>
 __device__ __forceinline__ void fold_window(RunningSoftmax4& r, const ForwardParams& p, const PoolWindow& w, int64_t c,
                                             int lo, int hi, int slot_lane) {
@@ -796,19 +800,18 @@ __global__ void __launch_bounds__(kC128PrefillWarps * 32, kSplits == 1 ? 8 : 1) 
     __syncthreads();
     if (split == 0 && slot_lane == 0) {
       // The splits' partials in split order, each rescaled to their common max.
-      const auto at = [](const float4& x, int j) { return j == 0 ? x.x : j == 1 ? x.y : j == 2 ? x.z : x.w; };
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        float top = at(part_m[warp][quad], j);
+        float top = channel(part_m[warp][quad], j);
 #pragma unroll
-        for (int i = 1; i < kSplits; ++i) top = fmaxf(top, at(part_m[warp + i][quad], j));
+        for (int i = 1; i < kSplits; ++i) top = fmaxf(top, channel(part_m[warp + i][quad], j));
         const float shift = top == ninf ? 0.f : top;
         r.l[j] = 0.f; r.a[j] = 0.f;
 #pragma unroll
         for (int i = 0; i < kSplits; ++i) {
-          const float e = expf(at(part_m[warp + i][quad], j) - shift);
-          r.l[j] += at(part_l[warp + i][quad], j) * e;
-          r.a[j] += at(part_a[warp + i][quad], j) * e;
+          const float e = expf(channel(part_m[warp + i][quad], j) - shift);
+          r.l[j] += channel(part_l[warp + i][quad], j) * e;
+          r.a[j] += channel(part_a[warp + i][quad], j) * e;
         }
       }
     }
@@ -908,8 +911,9 @@ void launch(const ForwardParams& p, cudaStream_t stream) {
       } else {
         const unsigned chunks = unsigned(kMainDim / kC128PrefillChunk);
         if (c128_prefill_split(p.plan_rows)) {
-          launch_kernel(c128_prefill_kernel<kC128PrefillWarps, InBf16, StBf16, Vec>, dim3(unsigned(p.plan_rows), chunks),
-                        dim3(kC128PrefillWarps * 32), 0, stream, "compress_forward", p);
+          launch_kernel(c128_prefill_kernel<kC128PrefillWarps, InBf16, StBf16, Vec>,
+                        dim3(unsigned(p.plan_rows), chunks), dim3(kC128PrefillWarps * 32), 0, stream,
+                        "compress_forward", p);
         } else {
           launch_kernel(c128_prefill_kernel<1, InBf16, StBf16, Vec>,
                         dim3(blocks_for(p.plan_rows, kC128PrefillWarps), chunks), dim3(kC128PrefillWarps * 32), 0,
