@@ -772,8 +772,8 @@ __device__ __forceinline__ void fold_window(RunningSoftmax4& r, const ForwardPar
 
 // kSplits warps share a window, warp w taking slots [128 / kSplits · (w % kSplits), ...): 1 for large
 // prefills, kC128PrefillWarps when one warp per window would leave most of the GPU idle. One warp per
-// window is bounded to eight blocks per SM (64 registers, no spill; unbounded, ptxas takes four more for fp32
-// and fits seven).
+// window is bounded to eight blocks per SM (64 registers, no spill on sm_90; unbounded, ptxas takes four more
+// for fp32 and fits seven; on sm_100 the bound costs the fp32-input variants a 12-16-byte spill, unmeasured).
 template <int kSplits, bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kC128PrefillWarps * 32, kSplits == 1 ? 8 : 1) c128_prefill_kernel(ForwardParams p) {
   constexpr int kSpan = 128 / kSplits;
