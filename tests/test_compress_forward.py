@@ -262,7 +262,8 @@ def test_reference_compressor_matches_truth_and_op(ratio):
 @pytest.mark.parametrize("device", DEVICES)
 def test_hand_built_plan_rows_skip_and_stay_in_bounds(device):
     """Invalid rows give zeros, out-of-range pages and input rows read the pad value, writes outside
-    [0, rows - r) and ragged ids >= N are skipped; plan rows with ragged id 65535 are served."""
+    [0, rows - r) and ragged ids >= N are skipped; plan rows with ragged id 65535 are served. Rows 2 and 4
+    have no ring slot: row 2 takes the kernel's all-input path, row 4 (input rows before 0) the general one."""
     D, r = 128, 4
     W = width_of(r, D)
     g = gen("hand")
@@ -276,6 +277,7 @@ def test_hand_built_plan_rows_skip_and_stay_in_bounds(device):
         (12, 9, 3, 1000, -5),              # pages out of range: ring slots read the pad value
         (8, 7, 0, -1, -1),                 # all slots from the input
         (4, 65535, 0, -1, -1),             # ragged id out of range: pad everywhere (memory-safe)
+        (16, 5, 0, -1, -1),                # no ring slot, but slots 0, 1 would be input rows -2, -1: pad
     ], device)
     plan_w = ref.pack_write_plan([(0xFFFFFFFF, 3), (2, state.shape[0] - r), (3, -1), (12, 5), (1, 6),
                                   (0xFFFF, 7)], device)
@@ -297,6 +299,14 @@ def test_hand_built_plan_rows_skip_and_stay_in_bounds(device):
     truth2 = ref.compress_entries_fp64(x[:8].cpu(), ape.cpu(), r, D)[1]
     torch.testing.assert_close(out[2].double().cpu(), truth2, atol=2e-5, rtol=2e-5)
     assert torch.all(torch.isfinite(out[3]))
+    # row 4: slots 2..7 are input rows 0..5 (overlap halves for slots < 4, current halves after).
+    hist = torch.zeros(8, W, dtype=torch.float64)
+    hist[:2, 2 * D:] = float("-inf")
+    hist[2:] = x[:6].double().cpu()
+    kv = torch.cat([hist[:4, :D], hist[4:, D:2 * D]])
+    s = torch.cat([hist[:4, 2 * D:3 * D], hist[4:, 3 * D:]]) + ape.double().cpu()
+    truth4 = (torch.softmax(s, 0) * kv).sum(0)
+    torch.testing.assert_close(out[4].double().cpu(), truth4, atol=2e-5, rtol=2e-5)
 
 
 def _c128_window_truth(state, x, ape, seq_len, ragged_id, buffer_len, page):
