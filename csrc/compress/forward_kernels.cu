@@ -181,6 +181,19 @@ __device__ __forceinline__ float softmax_pool(const float* s, const float* v) {
   return r.l == 0.f ? 0.f : r.a / r.l;
 }
 
+// softmax_pool of four channels over N slots given as float4 (channel j in component j).
+template <int N>
+__device__ __forceinline__ float4 softmax_pool4(const float4 (&score)[N], const float4 (&value)[N]) {
+  float s[4][N], v[4][N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    s[0][k] = score[k].x; s[1][k] = score[k].y; s[2][k] = score[k].z; s[3][k] = score[k].w;
+    v[0][k] = value[k].x; v[1][k] = value[k].y; v[2][k] = value[k].z; v[3][k] = value[k].w;
+  }
+  return make_float4(softmax_pool<N>(s[0], v[0]), softmax_pool<N>(s[1], v[1]), softmax_pool<N>(s[2], v[2]),
+                     softmax_pool<N>(s[3], v[3]));
+}
+
 // c4: the 8-slot window for channels [c, c+4).
 template <bool InBf16, bool StBf16, bool Vec>
 __device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c) {
@@ -189,16 +202,10 @@ __device__ float4 pool_c4(const ForwardParams& p, const PoolWindow& w, int64_t c
   SlotLoads<InBf16, StBf16> l[kWindow];
 #pragma unroll
   for (int k = 0; k < kWindow; ++k) l[k] = issue_slot<4, InBf16, StBf16, Vec>(p, w, k, c, pages);
-  float s[4][kWindow], v[4][kWindow];
+  float4 value[kWindow], score[kWindow];
 #pragma unroll
-  for (int k = 0; k < kWindow; ++k) {
-    float4 value, score;
-    l[k].resolve(value, score);
-    s[0][k] = score.x; s[1][k] = score.y; s[2][k] = score.z; s[3][k] = score.w;
-    v[0][k] = value.x; v[1][k] = value.y; v[2][k] = value.z; v[3][k] = value.w;
-  }
-  return make_float4(softmax_pool<kWindow>(s[0], v[0]), softmax_pool<kWindow>(s[1], v[1]),
-                     softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
+  for (int k = 0; k < kWindow; ++k) l[k].resolve(value[k], score[k]);
+  return softmax_pool4<kWindow>(score, value);
 }
 
 // c4, a window whose 8 slots are all input rows src − 7 .. src (no ring slot, no pad: every prefill window
@@ -218,14 +225,7 @@ __device__ float4 pool_c4_input(const ForwardParams& p, const PoolWindow& w, int
     value[k] = load4<InBf16, Vec>(row, value_column(4, k, D));
     score[k] = add4(load4<InBf16, Vec>(row, score_column(4, k, D)), load4<false, Vec>(p.ape, int64_t(k) * D + c));
   }
-  float s[4][kWindow], v[4][kWindow];
-#pragma unroll
-  for (int k = 0; k < kWindow; ++k) {
-    s[0][k] = score[k].x; s[1][k] = score[k].y; s[2][k] = score[k].z; s[3][k] = score[k].w;
-    v[0][k] = value[k].x; v[1][k] = value[k].y; v[2][k] = value[k].z; v[3][k] = value[k].w;
-  }
-  return make_float4(softmax_pool<kWindow>(s[0], v[0]), softmax_pool<kWindow>(s[1], v[1]),
-                     softmax_pool<kWindow>(s[2], v[2]), softmax_pool<kWindow>(s[3], v[3]));
+  return softmax_pool4<kWindow>(score, value);
 }
 
 // Per-warp partials of a c128 window over a block's kChunk channels.
