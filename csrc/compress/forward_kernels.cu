@@ -414,14 +414,22 @@ __device__ __forceinline__ void store_n(void* base, int64_t i, const float (&v)[
   }
 }
 
-// c4 decode: N = 1 or 2 channels per thread, a block covers 512 channels (one D 512 row, four D 128
-// rows). An emitting row is a chain of dependent steps (plan row, window loads, 8 exps per channel, the
-// store) and a small batch leaves a row or two per SM, so fewer channels per thread shorten the pooling's
-// share of the chain; a large batch needs more rows resident per SM, which fewer threads per row give.
-// H200, D 512, N = 1 / 2 / 4 (4 as the earlier kernel had): 64 rows 1.95 / 2.05 / 2.27 us, 256 rows
-// 3.73 / 3.79 / 4.08, 1024 rows 9.45 / 8.48 / 8.76; D 128 at 1024 rows 3.49 / 3.65 / 3.91.
-template <int N>
-constexpr int c4_decode_threads() { return 4 * kC4Threads / N; }
+// c4 decode: N = 1 or 2 channels per thread. An emitting row is a chain of dependent steps (plan row,
+// window loads, 8 exps per channel, the store) and a small batch leaves a row or two per SM, so fewer
+// channels per thread shorten the pooling's share of the chain; a large batch needs more rows resident per
+// SM, which fewer threads per row give. H200, D 512, N = 1 / 2 / 4 (4 as the earlier kernel had): 64 rows
+// 1.95 / 2.05 / 2.27 us, 256 rows 3.73 / 3.79 / 4.08, 1024 rows 9.45 / 8.48 / 8.76; D 128 at 1024 rows
+// 3.49 / 3.65 / 3.91 (blocks of 512 channels then).
+// A block's threads cover consecutive channels of the batch's rows laid end to end. With one channel per
+// thread, D 512 rows take blocks of 128 threads (a row over four blocks, so a small batch spreads its
+// pooling over four times the SMs) and D 128 rows blocks of 256. H200, cold rings, blocks of 512 / 256 /
+// 128 threads: D 512 at 1 / 8 / 64 / 256 rows 1.23-1.25 / 1.67-1.70 / 2.38-2.41 / 3.55-3.56, 1.16-1.20 /
+// 1.50-1.54 / 2.35-2.38 / 3.41-3.42, 1.11-1.15 / 1.40-1.44 / 2.31-2.39 / 3.37-3.43 us; D 128 at 8 / 64 /
+// 1024 rows 1.36-1.37 / 1.57-1.58 / 3.30-3.32, 1.21 / 1.50 / 3.31-3.32, 1.35-1.39 / 1.44-1.49 / 3.42-3.50 us.
+constexpr int kC4DecodeMaxThreads = 256;
+__host__ __device__ constexpr int c4_decode_threads(int channels_per_thread, int64_t head_dim) {
+  return channels_per_thread == 1 && head_dim == kMainDim ? 128 : kC4DecodeMaxThreads;
+}
 constexpr int64_t kC4DecodeOneChannelMax = 256 * int64_t(kMainDim);  // rows x head_dim up to which N = 1
 
 // A decode window's ring slots for channels [c, c + N): slots 0..3 are the overlap halves of the previous
@@ -469,11 +477,11 @@ struct C4DecodeWindow {
 
 // Decode: one request per D/N threads; pools on boundary rows, writes the input row on every row.
 template <int N, bool InBf16, bool StBf16, bool Vec>
-__global__ void __launch_bounds__(c4_decode_threads<N>()) c4_decode_kernel(ForwardParams p) {
+__global__ void __launch_bounds__(kC4DecodeMaxThreads) c4_decode_kernel(ForwardParams p) {
   const int64_t D = p.head_dim;
-  const int threads_per_row = int(D / N);
-  const int64_t b = int64_t(blockIdx.x) * (c4_decode_threads<N>() / threads_per_row) + threadIdx.x / threads_per_row;
-  const int64_t c = N * int64_t(threadIdx.x % threads_per_row);
+  // The thread's first channel over the batch's rows laid end to end; D (512 or 128) is a power of two.
+  const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N;
+  const int64_t b = first >> (__ffsll(D) - 1), c = first & (D - 1);
   pdl_wait_dependencies();
   if (b >= p.plan_rows) return;
   const DecodeEntry e = load_decode_entry(p.plan + b * kPlanRowBytes);
@@ -882,19 +890,20 @@ bool c128_prefill_split(int64_t rows) { return rows <= 64; }
 
 template <bool InBf16, bool StBf16, bool Vec>
 void launch(const ForwardParams& p, cudaStream_t stream) {
-  // c4 blocks cover 512 channels whatever their channels per thread: 512 / D rows (decode and prefill).
-  const int64_t c4_rows_per_block = kC4Threads / (p.head_dim / 4);
   if (p.plan_rows > 0) {
-    if (p.ratio == 4) {
-      const dim3 grid(blocks_for(p.plan_rows, c4_rows_per_block));
-      if (p.is_decode && p.plan_rows * p.head_dim <= kC4DecodeOneChannelMax) {
-        launch_kernel(c4_decode_kernel<1, InBf16, StBf16, Vec>, grid, dim3(c4_decode_threads<1>()), 0, stream,
-                      "compress_forward", p);
+    if (p.ratio == 4) {  // a c4 block covers consecutive channels of the plan's rows laid end to end
+      const int64_t channels = p.plan_rows * p.head_dim;
+      if (p.is_decode && channels <= kC4DecodeOneChannelMax) {
+        const int threads = c4_decode_threads(1, p.head_dim);
+        launch_kernel(c4_decode_kernel<1, InBf16, StBf16, Vec>, dim3(blocks_for(channels, threads)), dim3(threads), 0,
+                      stream, "compress_forward", p);
       } else if (p.is_decode) {
-        launch_kernel(c4_decode_kernel<2, InBf16, StBf16, Vec>, grid, dim3(c4_decode_threads<2>()), 0, stream,
-                      "compress_forward", p);
+        const int threads = c4_decode_threads(2, p.head_dim);
+        launch_kernel(c4_decode_kernel<2, InBf16, StBf16, Vec>, dim3(blocks_for(channels, 2 * threads)), dim3(threads),
+                      0, stream, "compress_forward", p);
       } else {
-        launch_kernel(c4_prefill_kernel<InBf16, StBf16, Vec>, grid, dim3(kC4Threads), 0, stream, "compress_forward", p);
+        launch_kernel(c4_prefill_kernel<InBf16, StBf16, Vec>, dim3(blocks_for(channels, 4 * kC4Threads)),
+                      dim3(kC4Threads), 0, stream, "compress_forward", p);
       }
     } else {
       if (p.is_decode) {
