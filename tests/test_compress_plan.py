@@ -139,8 +139,8 @@ CONFIG_IDS = ["c4-ring8-paged", "c4-ring16-paged", "c4-ring16-reqring", "c128-ri
 
 
 # GPU-input path: B <= 32 runs one warp, 100 several (with more rows than a request's owner lanes
-# write), 1025 and 3000 the two-launch path.
-BATCHES = [1, 7, 100, 1025, 3000]
+# write), 700 one block of 22 scanning warps, 1025 and 3000 the two-launch path.
+BATCHES = [1, 7, 100, 700, 1025, 3000]
 
 
 @pytest.mark.parametrize("B", BATCHES)

@@ -126,6 +126,18 @@ __device__ T block_exclusive_scan(T v, T& total, bool one_warp) {
 
 // ---- per-request scans ----
 
+// view[index] as its bits zero-extended to 64. No instruction touches the loaded value here (a sign
+// extension would stall the warp until the load returns), so it flies until the caller needs it; widen()
+// gives the value.
+__device__ __forceinline__ uint64_t load_bits(const IndexView& view, int64_t index) {
+  return view.is_int64 ? static_cast<const uint64_t*>(view.data)[index]
+                       : uint64_t(static_cast<const uint32_t*>(view.data)[index]);
+}
+
+__device__ __forceinline__ int64_t widen(const IndexView& view, uint64_t bits) {
+  return view.is_int64 ? int64_t(bits) : int64_t(int32_t(uint32_t(bits)));
+}
+
 // A request's lengths as planned (clamped into int32, §3.3) and its id; zeros past the batch.
 struct RequestInput {
   int32_t seq_len, extend_len;
@@ -133,14 +145,34 @@ struct RequestInput {
   bool live;
 };
 
-__device__ RequestInput load_request(const PrefillPlanParams& p, int64_t b) {
-  RequestInput in{0, 0, 0, b < p.batch};
-  if (in.live) {
-    in.seq_len = int32_t(planned_seq_len(p.seq_lens[b]));
-    in.extend_len = int32_t(planned_extend_len(p.extend_lens[b]));
-    in.rid = p.req_pool_indices[b];
+// A request's input words in flight (load_bits): issue() returns at once, finish() waits for them. A warp
+// that loads two requests issues both before it finishes either, so that it waits one round trip.
+struct RequestLoads {
+  uint64_t seq_len, extend_len, rid;
+  bool live;
+
+  __device__ __forceinline__ void issue(const PrefillPlanParams& p, int64_t b) {
+    live = b < p.batch;
+    seq_len = live ? load_bits(p.seq_lens, b) : 0;
+    extend_len = live ? load_bits(p.extend_lens, b) : 0;
+    rid = live ? load_bits(p.req_pool_indices, b) : 0;
   }
-  return in;
+
+  __device__ __forceinline__ RequestInput finish(const PrefillPlanParams& p) const {
+    RequestInput in{0, 0, 0, live};
+    if (live) {
+      in.seq_len = int32_t(planned_seq_len(widen(p.seq_lens, seq_len)));
+      in.extend_len = int32_t(planned_extend_len(widen(p.extend_lens, extend_len)));
+      in.rid = widen(p.req_pool_indices, rid);
+    }
+    return in;
+  }
+};
+
+__device__ __forceinline__ RequestInput load_request(const PrefillPlanParams& p, int64_t b) {
+  RequestLoads loads;
+  loads.issue(p, b);
+  return loads.finish(p);
 }
 
 // What the row emitters need per request: its first row in each plan and the inputs of plan_request.
@@ -256,18 +288,6 @@ __device__ __forceinline__ void emit_sentinels(const PrefillPlanParams& p, int32
 
 // ---- rows written by owner lanes ----
 
-// view[index] as its bits zero-extended to 64. No instruction touches the loaded value here (a sign
-// extension would stall the warp until the load returns), so it flies during the caller's scan; widen()
-// gives the value.
-__device__ __forceinline__ uint64_t load_bits(const IndexView& view, int64_t index) {
-  return view.is_int64 ? static_cast<const uint64_t*>(view.data)[index]
-                       : uint64_t(static_cast<const uint32_t*>(view.data)[index]);
-}
-
-__device__ __forceinline__ int64_t widen(const IndexView& view, uint64_t bits) {
-  return view.is_int64 ? int64_t(bits) : int64_t(int32_t(uint32_t(bits)));
-}
-
 // The state slot of one position of a request. A paged lookup is two dependent loads (req_to_token,
 // then full_to_swa); each round issues one, and the caller runs a block scan before the next round.
 // Request-ring slots need no load.
@@ -313,17 +333,24 @@ struct OwnerLane {
   RequestPlan rp0;
   SlotPrefetch slot;
 
-  // Before the scans, so without the ragged offset: positions from the plan the request would have at
-  // offset 0 (rp0). The real offset only lowers z, which cuts rows off the tail (§3.3 counts), so row k
-  // of the real plan sits at the position of row k here.
-  __device__ __forceinline__ void start_lookups(const PrefillPlanParams& p) {
-    const PlanGeometry& g = p.geometry;
+  // Issues the loads of the lane's request.
+  __device__ __forceinline__ RequestLoads issue_request(const PrefillPlanParams& p) {
     const int j = threadIdx.x;
     compress = blockIdx.x % 2 == 1;
     k = j % kOwnedSlots;
     b = int64_t(blockIdx.x / 2) * kOwnerSlice + j / kOwnedSlots;
     live = j < kOwnerLanes && b < p.batch;
-    in = load_request(p, live ? b : p.batch);
+    RequestLoads loads;
+    loads.issue(p, live ? b : p.batch);
+    return loads;
+  }
+
+  // Before the scans, so without the ragged offset: positions from the plan the request would have at
+  // offset 0 (rp0). The real offset only lowers z, which cuts rows off the tail (§3.3 counts), so row k
+  // of the real plan sits at the position of row k here.
+  __device__ __forceinline__ void start_lookups(const PrefillPlanParams& p, const RequestLoads& loads) {
+    const PlanGeometry& g = p.geometry;
+    in = loads.finish(p);
     rp0 = plan_at_zero(p, in);
     int32_t pos = -1;
     if (compress) {
@@ -386,11 +413,15 @@ __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPl
   // Warp-uniform: the warps past the slice's owner lanes, and every warp of a block past the owner
   // blocks, skip the owner path whole (a batch of 1024 requests has 24 such warps per block).
   const bool owner_warp = int(threadIdx.x & ~31u) < kOwnerLanes && int64_t(blockIdx.x / 2) * kOwnerSlice < p.batch;
-  OwnerLane own;
-  if (owner_warp) own.start_lookups(p);
   const int b = threadIdx.x;
+  // Both requests' loads (the owner lane's and the scanned one) go out before either is waited for.
+  OwnerLane own;
+  RequestLoads owner_loads, scan_loads;
+  if (owner_warp) owner_loads = own.issue_request(p);
+  scan_loads.issue(p, b);
+  if (owner_warp) own.start_lookups(p, owner_loads);
   const bool one_warp = p.batch <= 32;
-  const RequestInput in = load_request(p, b);
+  const RequestInput in = scan_loads.finish(p);
   const RequestPlan rp0 = plan_at_zero(p, in);
   // One scan of the tokens and of the rows at ragged offset 0. Each token term is clamped to nq + 1
   // (sums stay below 2^31), so the total is at most nq exactly when every request fits below num_q_tokens
