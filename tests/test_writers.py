@@ -323,6 +323,29 @@ def test_k_writer_large_n_matches_reference(layout, kind):
         cache.check(f"combo {i}")
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_k_writer_pipeline_refills_after_reads(layout, kv_dtype):
+    """The large-N K writer refills each shared-memory stage by a bulk copy once the warp has read it. The
+    refill must be ordered after those reads across proxies: without the fence, on an H200, V41_FP4 with fp32
+    rows wrote a wrong row on the first run here. Repeated runs on the same inputs must all give the
+    reference bytes."""
+    gen = _gen("k-refill", layout, str(kv_dtype))
+    n, pages = 8192 + 77, 8192 // 64 + 4
+    x, w, eps = _rows("general", gen, n, 512)
+    kv = x.to(kv_dtype)
+    pos, loc = _positions(gen, n, torch.int64), _slots(gen, n, pages * 64, torch.int64)
+    cache = PoisonedCache(layout, 64, pages, "cuda", gen, random_fill=False, pool=False)
+    ref.fused_k_norm_rope_flashmla(kv, w, eps, TABLE, pos, loc, cache.ref, page_size=64, layout=layout)
+    args = (kv.cuda(), w.cuda(), eps, _table("cuda"), pos.cuda(), loc.cuda())
+    for run in range(16):
+        cache.pool.fill_(0xA5)
+        dsv4.fused_k_norm_rope_flashmla(*args, cache.dev, page_size=64, layout=layout)
+        cache.check(f"run {run}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("kind", KINDS)

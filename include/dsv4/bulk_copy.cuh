@@ -45,6 +45,14 @@ __device__ __forceinline__ void bulk_copy_to_shared(uint32_t dst, const void* sr
       : "memory");
 }
 
+// Orders the shared-memory accesses of the generic proxy (plain loads and stores) that happen before this
+// point, in this thread or in threads it has synchronized with, before its later bulk copies (the async
+// proxy) into the same memory. An mbarrier that releases a buffer to be refilled orders the generic
+// accesses only: without this fence, a refill can land before the reads it was meant to follow.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // Waits until phase `parity` (0 or 1) of the mbarrier at shared address `bar` has completed.
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
