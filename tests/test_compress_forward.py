@@ -795,6 +795,35 @@ def test_host_path_raises_under_capture():
                                            compress_ratio=128, ring_size=128, use_req_ring=True)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_state_writes_right_after_the_host_path_planner():
+    """A prefill that closes no compressed row has an empty CompressPlan, so compress_forward's only launch is
+    the state writes, and with PDL it may start while the host-input planner's stage-1 kernel is still turning
+    its WritePlan rows from stage 0 into slots (§4.6: read the plan only after griddepcontrol.wait; the write
+    kernel once loaded plan_w before its wait, a race that this test did not catch in six runs on an H200).
+    Each step extends every request by 1-3 tokens inside a block of 4 (paged c4: stage 1 looks up two tables
+    per row), with the launches queued back to back; the state must match the CPU op's after every step."""
+    e = Engine(4, 512, 8, paged=True, num_requests=64, max_tokens=512, device="cuda", seed=("host-path-writes",))
+    g = gen("host-path-writes-steps")
+    r2t, f2s = e.tables()
+    state_cpu, ape = e.state.cpu(), e.ape
+    rids = torch.arange(1, 65)
+    for step in range(24):
+        prefix = 4 * torch.randint(0, 120, (64,), generator=g)
+        extend = torch.randint(1, 4, (64,), generator=g)
+        x = e.rows(int(extend.sum()))
+        x_dev = x.cuda()  # before the plan: no copy between the planner's launches and the state writes
+        torch.cuda._sleep(200_000)  # queues the next launches, so that they start back to back as in serving
+        kw = dict(num_q_tokens=int(extend.sum()), **e.plan_kwargs())
+        plan = dsv4.plan_compress_prefill(rids.cuda(), prefix + extend, extend, r2t, f2s, **kw)
+        assert plan.plan.shape[0] == 0 and plan.plan_w.shape[0] == int(extend.sum())
+        dsv4.compress_forward(e.state, x_dev, ape.cuda(), plan, head_dim=512)
+        plan_cpu = dsv4.plan_compress_prefill(rids, prefix + extend, extend, e.req_to_token, e.full_to_swa, **kw)
+        dsv4.compress_forward(state_cpu, x, ape, plan_cpu, head_dim=512)
+        assert torch.equal(e.state.cpu(), state_cpu), f"step {step}"
+
+
 _PDL_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, sys.argv[2])

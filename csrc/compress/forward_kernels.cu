@@ -838,15 +838,16 @@ __global__ void __launch_bounds__(kC128PrefillWarps * 32, kSplits == 1 ? 8 : 1) 
 // One warp per WritePlan row: copies the whole input row to its state row. Each lane issues all its
 // loads before its first store: the compiler may not move a load above a store that could alias it, so a
 // load-store loop waited one memory round trip per iteration (16 for a c4 D 512 fp32 row, about 9.5 us
-// per prefill call on an H200). The loads also go out before the wait for the compress launch: they read
-// the input and plan_w, which that launch does not write (it waited for their producers before letting
-// this launch start); only the state writes must follow its ring reads.
+// per prefill call on an H200). Nothing is read before the wait (§4.6): this launch may directly follow
+// the planner (an empty CompressPlan skips the compress launch), whose last kernel may still be writing
+// plan_w; after a compress launch, the wait also puts the state writes behind its ring reads.
 template <bool InBf16, bool StBf16, bool Vec>
 __global__ void __launch_bounds__(kWriteWarps * 32) state_write_kernel(ForwardParams p) {
   constexpr int kMaxChunks = 4 * kMainDim / (4 * 32);  // float4 chunks per lane of the widest row (c4, D 512)
   const int lane = threadIdx.x & 31;
   const int64_t i = int64_t(blockIdx.x) * kWriteWarps + (threadIdx.x >> 5);
   const int64_t width = state_row_width(p.ratio, p.head_dim);
+  pdl_wait_dependencies();
   bool live = i < p.plan_w_rows;
   int64_t dst = -1;
   float4 chunk[kMaxChunks];
@@ -863,7 +864,6 @@ __global__ void __launch_bounds__(kWriteWarps * 32) state_write_kernel(ForwardPa
       }
     }
   }
-  pdl_wait_dependencies();  // the compress launch has read the ring
   if (!live) return;
 #pragma unroll
   for (int j = 0; j < kMaxChunks; ++j) {
