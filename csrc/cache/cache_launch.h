@@ -30,6 +30,9 @@ struct IndexInput {
     return is_int64 ? static_cast<const int64_t*>(data)[i]
                     : int64_t(static_cast<const int32_t*>(data)[i]);
   }
+  DSV4_HD const void* address(int64_t i) const {
+    return static_cast<const char*>(data) + i * (is_int64 ? 8 : 4);
+  }
 };
 
 struct StoreParams {

@@ -25,6 +25,17 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Asks the L2 to fetch the 128-byte line holding `address` (a global-memory address). A prefetch returns
+// no value and orders nothing, so unlike a load it may come before pdl_wait_dependencies() (§4.6 forbids
+// reads there): a kernel warms the lines of inputs whose address needs no load while the previous grid
+// still runs, and its loads after the wait still see the latest data (the L2 is where the GPU's writes
+// meet; nothing is fetched into the L1).
+__device__ __forceinline__ void prefetch_l2(const void* address) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(__cvta_generic_to_global(address)));
+#endif
+}
+
 bool pdl_enabled_for_current_device();
 
 inline void check_cuda(cudaError_t err, const char* what) {
