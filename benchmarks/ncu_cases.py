@@ -8,7 +8,8 @@ CASE: kwriter / kwriter_fp4 / kwriter_v4 (V41 / V41_FP4 / V4, 2^20 tokens), comp
 (compress writer, 2^20 decode-plan rows), compress_v4_prefill (the same as a prefill plan, 2^16 rows),
 c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests), c128e (c128 decode, 64 requests of
 which the first alone closes a chunk), c4p / c128p (prefill of 65536 tokens from scratch), plan
-(plan_compress_prefill, c4 paged, 64 requests x 4 drafts); SIZE replaces the row / request count.
+(plan_compress_prefill, c4 paged, 64 requests x 4 drafts), plan128 (the same for c128 with request rings);
+SIZE replaces the row / request count.
 Two warm-up calls precede the profiled one.
 """
 import sys
@@ -71,7 +72,8 @@ def compress_prefill(ratio, tokens):
     return lambda: dsv4.compress_forward(state, x, ape, plan, head_dim=hd)
 
 
-def planner(bs):
+def planner(bs, ratio=4):
+    """plan_compress_prefill of a verify step (4 drafts per request): c4 paged, or c128 with request rings."""
     rids = (torch.randperm(bs) + 1).cuda()
     seq = torch.randint(256, 4096, (bs,)).cuda()
     r2t = torch.randint(0, 1 << 20, (bs + 1, 4096), dtype=torch.int32).cuda()
@@ -80,6 +82,9 @@ def planner(bs):
     seq_total = seq + ext
     out_c = torch.empty(bs * 4, 16, dtype=torch.uint8, device="cuda")
     out_w = torch.empty(bs * 4, 8, dtype=torch.uint8, device="cuda")
+    if ratio == 128:
+        return lambda: dsv4.plan_compress_prefill(rids, seq_total, ext, num_q_tokens=bs * 4, out=(out_c, out_w),
+                                                  compress_ratio=128, ring_size=256, use_req_ring=True)
     return lambda: dsv4.plan_compress_prefill(rids, seq_total, ext, r2t, f2s, num_q_tokens=bs * 4, out=(out_c, out_w),
                                               compress_ratio=4, ring_size=16, swa_page_size=256)
 
@@ -100,6 +105,7 @@ fn = {
     "c4p": lambda: compress_prefill(4, size or 65536),
     "c128p": lambda: compress_prefill(128, size or 65536),
     "plan": lambda: planner(size or 64),
+    "plan128": lambda: planner(size or 64, ratio=128),
 }[case]()
 for _ in range(2):
     fn()
