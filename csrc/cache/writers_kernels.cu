@@ -102,7 +102,7 @@ __device__ __forceinline__ const void* lane_input(const NormRopeParams& p, int64
 // Before the wait (see prefetch_l2): the row's index words (by one lane) and, for the K writer's rows, this
 // lane's input values: their DRAM trip overlaps the previous grid (H200, graph replay, 1024 rows: K writer
 // 3.0 -> 2.6 us, compress writer 3.3 -> 3.1 us). Prefill-plan rows prefetch nothing: those calls are large
-// (65536 rows: 2-3 % slower with the prefetch, which most blocks, started after the previous grid ended,
+// (65536 rows: 2-4 % slower with the prefetch, which most blocks, started after the previous grid ended,
 // issue just before the same loads).
 template <RowSource S, bool KvFp32>
 __device__ __forceinline__ void prefetch_row(const NormRopeParams& p, int64_t token, int first, bool index_lane) {
