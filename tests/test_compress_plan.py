@@ -227,7 +227,7 @@ def test_gpu_path_out_of_envelope_inputs_stay_in_bounds(ratio, ring, paged, sps)
 def test_gpu_path_verify_batches(B, ratio, ring, paged, sps):
     """Verify/extend batches of decode size (every E <= 8), whose rows the GPU path's owner lanes write
     (one row each), the rest of each plan being sentinels: one scanning warp (B <= 32) or several, one
-    slice of 32 requests or several, padded rows (rid 0, prefix 0), invalid lookups, both table dtypes,
+    slice of owned requests or several, padded rows (rid 0, prefix 0), invalid lookups, both table dtypes,
     spare rows, and an underfilled num_q_tokens that cuts a request's rows short (the second scan)."""
     c = random_case(B, ratio, ring, paged, "verify", sps=sps, max_extend=9)
     pad = torch.rand(B, generator=gen("verify-pad", B, ratio, ring)) < 0.2
@@ -243,6 +243,25 @@ def test_gpu_path_verify_batches(B, ratio, ring, paged, sps):
                                            **c["kw"])
             assert torch.equal(p.plan.cpu(), rc), (r2t_dtype, nq)
             assert torch.equal(p.plan_w.cpu(), rw), (r2t_dtype, nq)
+
+
+@cuda_only
+@pytest.mark.parametrize("ratio,ring", [(4, 128), (128, 256)], ids=["c4", "c128"])
+def test_gpu_path_full_batch_at_the_token_bound(ratio, ring):
+    """1024 requests of 64 tokens each (num_q_tokens = 65536), rings wide enough that every token is written:
+    the one-launch planner at its largest row sums (65536 write rows; for c4 16384 compress rows), which its
+    first scan packs into one word."""
+    B = 1024
+    c = random_case(B, ratio, ring, False, "token-bound", invalid_lookups=False)
+    c["L"] = torch.randint(64, 3000, (B,), generator=gen("token-bound", ratio)).int()
+    c["E"] = torch.full((B,), 64, dtype=torch.int64)
+    c["nq"] = 65536
+    rc, rw = ref_plans(c, True)
+    assert int(ref.unpack_plan(rw, "write")["valid"].sum()) == 65536
+    cu = {k: c[k].cuda() for k in ("rids", "L", "E", "r2t", "f2s")}
+    p = dsv4.plan_compress_prefill(cu["rids"], cu["L"], cu["E"], cu["r2t"], cu["f2s"], num_q_tokens=c["nq"],
+                                   **c["kw"])
+    assert torch.equal(p.plan.cpu(), rc) and torch.equal(p.plan_w.cpu(), rw)
 
 
 def test_no_duplicate_write_loc_outside_owner0():

@@ -19,11 +19,13 @@ constexpr int kRowThreads = 256;  // rows are latency chains: spread them over b
 // up one of the two slots of CompressPlan row k / 2 (odd block; the even lane writes the row). That covers
 // every row of a verify or extend step of up to 8 tokens. One row per lane keeps each lane's chain at one
 // lookup: a thread that planned its request's eight rows itself issued ~950 instructions at bs 1, and its
-// chain, not the loads, set the time. Slices spread a large batch's lookups over several SMs.
+// chain, not the loads, set the time. Slices spread a large batch's lookups over several SMs; a slice of
+// 16 requests is 4 owner warps per block, one per scheduler beside the scanning warps (H200, bs 256 verify
+// steps: c4 2.96 -> 2.70, c128 2.32 -> 2.14 us against slices of 32).
 constexpr int kOwnedSlots = 8;
 constexpr int kOwnedWrites = kOwnedSlots;
 constexpr int kOwnedCompress = kOwnedSlots / 2;
-constexpr int kOwnerSlice = 32;
+constexpr int kOwnerSlice = 16;
 constexpr int kOwnerLanes = kOwnerSlice * kOwnedSlots;
 
 __device__ __forceinline__ void store_entry(DecodeEntry* dst, const DecodeEntry& e) {
@@ -70,29 +72,51 @@ __device__ __forceinline__ int32_t shfl_up(int32_t v, int d) { return __shfl_up_
 __device__ __forceinline__ ScanPair shfl_up(ScanPair v, int d) { return ScanPair{shfl_up(v.x, d), shfl_up(v.y, d)}; }
 __device__ __forceinline__ int32_t shfl(int32_t v, int lane) { return __shfl_sync(0xFFFFFFFFu, v, lane); }
 __device__ __forceinline__ ScanPair shfl(ScanPair v, int lane) { return ScanPair{shfl(v.x, lane), shfl(v.y, lane)}; }
+__device__ __forceinline__ int32_t warp_sum(int32_t v) { return __reduce_add_sync(0xFFFFFFFFu, v); }
+__device__ __forceinline__ ScanPair warp_sum(ScanPair v) { return ScanPair{warp_sum(v.x), warp_sum(v.y)}; }
 
-// A request's ragged tokens and its (compress, write) rows, scanned together.
-struct ScanTriple {
+// A request's ragged tokens and its (compress, write) rows at ragged offset 0, scanned together, the rows
+// packed into one word (compress rows from bit kPackedWriteBits): a word fewer to shuffle. The packed sums
+// are read only when no request is cut short, and then they are at most num_q_tokens / 4 + batch < 2^15
+// compress rows (ratio >= 4, batch <= kScanTile) and num_q_tokens <= 2^16 write rows: no field carries
+// into the other. (Cut short, they may wrap; unsigned, so that is defined.)
+constexpr int kPackedWriteBits = 17;
+static_assert(kMaxPlanTokens < (int64_t(1) << kPackedWriteBits) &&
+                  kMaxPlanTokens / 4 + kScanTile < (int64_t(1) << (32 - kPackedWriteBits)),
+              "packed row sums fit their fields");
+
+struct ScanTokensRows {
   int32_t tokens;
-  ScanPair rows;
+  uint32_t rows;
+
+  __device__ __forceinline__ static uint32_t pack(ScanPair rows) {
+    return (uint32_t(rows.x) << kPackedWriteBits) | uint32_t(rows.y);
+  }
+  __device__ __forceinline__ ScanPair unpacked_rows() const {
+    return ScanPair{int32_t(rows >> kPackedWriteBits), int32_t(rows & ((1u << kPackedWriteBits) - 1))};
+  }
 };
 
-__device__ __forceinline__ ScanTriple operator+(ScanTriple a, ScanTriple b) {
-  return ScanTriple{a.tokens + b.tokens, a.rows + b.rows};
+__device__ __forceinline__ ScanTokensRows operator+(ScanTokensRows a, ScanTokensRows b) {
+  return ScanTokensRows{a.tokens + b.tokens, a.rows + b.rows};
 }
-__device__ __forceinline__ ScanTriple operator-(ScanTriple a, ScanTriple b) {
-  return ScanTriple{a.tokens - b.tokens, a.rows - b.rows};
+__device__ __forceinline__ ScanTokensRows operator-(ScanTokensRows a, ScanTokensRows b) {
+  return ScanTokensRows{a.tokens - b.tokens, a.rows - b.rows};
 }
-__device__ __forceinline__ ScanTriple shfl_up(ScanTriple v, int d) {
-  return ScanTriple{shfl_up(v.tokens, d), shfl_up(v.rows, d)};
+__device__ __forceinline__ ScanTokensRows shfl_up(ScanTokensRows v, int d) {
+  return ScanTokensRows{shfl_up(v.tokens, d), __shfl_up_sync(0xFFFFFFFFu, v.rows, d)};
 }
-__device__ __forceinline__ ScanTriple shfl(ScanTriple v, int lane) {
-  return ScanTriple{shfl(v.tokens, lane), shfl(v.rows, lane)};
+__device__ __forceinline__ ScanTokensRows shfl(ScanTokensRows v, int lane) {
+  return ScanTokensRows{shfl(v.tokens, lane), __shfl_sync(0xFFFFFFFFu, v.rows, lane)};
+}
+__device__ __forceinline__ ScanTokensRows warp_sum(ScanTokensRows v) {
+  return ScanTokensRows{warp_sum(v.tokens), __reduce_add_sync(0xFFFFFFFFu, v.rows)};
 }
 
 // Exclusive prefix sums in thread order over the block (a whole number of warps), and the block total.
-// Warp shuffles, then every warp scans the warp totals itself (one barrier, no second round through
-// shared memory): a fixed order, no atomics. When every value past the first warp is zero (one_warp,
+// Warp shuffles, then every warp sums the warp totals before its own, and all of them, by single-instruction
+// warp reductions (redux.sync; one barrier, no second round through shared memory). Integer sums are exact
+// in any order, so the result is deterministic. When every value past the first warp is zero (one_warp,
 // block-uniform: a decode-size batch), the first warp's sums are the block's and need neither shared
 // memory nor barriers; the total is then valid in the first warp only. Each T has its own warp totals:
 // a caller that scans the same T again must put a barrier between the scans. Callers keep every sum
@@ -114,14 +138,8 @@ __device__ T block_exclusive_scan(T v, T& total, bool one_warp) {
   if (lane == 31) warp_totals[warp] = inc;
   __syncthreads();
   const T own = lane < warps ? warp_totals[lane] : T{};
-  T w = own;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const T up = shfl_up(w, d);
-    if (lane >= d) w = w + up;
-  }
-  total = shfl(w, warps - 1);
-  return shfl(w - own, warp) + inc - v;
+  total = warp_sum(own);
+  return warp_sum(lane < warp ? own : T{}) + inc - v;
 }
 
 // ---- per-request scans ----
@@ -397,6 +415,19 @@ struct OwnerLane {
 
 // ---- kernels ----
 
+// The parameters with the geometry of compression ratio kRatio as compile-time constants (shifts, the
+// window); c128 always uses request rings, so its band and paged lookups compile away.
+template <int kRatio>
+__device__ __forceinline__ PrefillPlanParams with_ratio(PrefillPlanParams p) {
+  p.geometry.ratio = kRatio;
+  p.geometry.window = compress_window(kRatio);
+  if (kRatio != 4) {
+    p.geometry.band = false;
+    p.lookup.paged = false;
+  }
+  return p;
+}
+
 // Batches of at most kScanTile requests, one launch. A block has one thread per request, rounded up to a
 // warp, and at least the owner lanes of its slice; every block plans and scans the whole batch
 // (redundant: at 1024 requests this work, not a chain of loads, sets the time; a batch of one warp scans
@@ -405,7 +436,9 @@ struct OwnerLane {
 // and fly during them. A verify step then waits for about the decode planner's chain of loads, not for
 // scans, then a search, then the loads; and as no request has further rows, the other rows are sentinels,
 // found without a search.
-__global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPlanParams p) {
+template <int kRatio>
+__global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPlanParams params) {
+  const PrefillPlanParams p = with_ratio<kRatio>(params);
   __shared__ RequestStarts starts[kScanTile];
   __shared__ ScanPair totals;
   pdl_wait_dependencies();
@@ -427,13 +460,14 @@ __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPl
   // (sums stay below 2^31), so the total is at most nq exactly when every request fits below num_q_tokens
   // and plans its rows at offset 0: the common case needs no second scan.
   const int32_t nq = p.geometry.num_q_tokens;
-  ScanTriple sum;
-  const ScanTriple ex =
-      block_exclusive_scan(ScanTriple{min(in.extend_len, nq + 1), ScanPair{rp0.n_c, rp0.n_w}}, sum, one_warp);
-  if (owner_warp) own.continue_lookups(p);
   ScanPair counts{rp0.n_c, rp0.n_w};
-  RequestStarts s{ex.rows.x, ex.rows.y, in.seq_len, in.extend_len, ex.tokens, 0, in.rid};
-  ScanPair total = sum.rows;
+  ScanTokensRows sum;
+  const ScanTokensRows ex =
+      block_exclusive_scan(ScanTokensRows{min(in.extend_len, nq + 1), ScanTokensRows::pack(counts)}, sum, one_warp);
+  if (owner_warp) own.continue_lookups(p);
+  const ScanPair ex_rows = ex.unpacked_rows();
+  RequestStarts s{ex_rows.x, ex_rows.y, in.seq_len, in.extend_len, ex.tokens, 0, in.rid};
+  ScanPair total = sum.unpacked_rows();
   if (sum.tokens > nq) {  // uniform: the total is the block's (or, with one_warp, the warp's)
     // A request cut short by an underfilled num_q_tokens: the offsets saturate there, and every row
     // count from that request on is planned again at its offset, then scanned.
@@ -537,8 +571,9 @@ void prefill_plan_cuda(const PrefillPlanParams& p, int32_t* scratch, cudaStream_
     const int64_t lanes = kOwnedSlots * (p.batch < kOwnerSlice ? p.batch : kOwnerSlice);
     const int threads = int(((p.batch > lanes ? p.batch : lanes) + 31) / 32 * 32);
     const unsigned row_blocks = blocks_for(rows, threads), owner_blocks = 2 * blocks_for(p.batch, kOwnerSlice);
-    launch_kernel(prefill_plan_fused_kernel, dim3(row_blocks > owner_blocks ? row_blocks : owner_blocks),
-                  dim3(threads), 0, stream, "plan_compress_prefill", p);
+    const unsigned blocks = row_blocks > owner_blocks ? row_blocks : owner_blocks;
+    launch_kernel(p.geometry.ratio == 4 ? prefill_plan_fused_kernel<4> : prefill_plan_fused_kernel<128>,
+                  dim3(blocks), dim3(threads), 0, stream, "plan_compress_prefill", p);
     return;
   }
   auto* starts = reinterpret_cast<RequestStarts*>(scratch);
