@@ -275,9 +275,10 @@ class C2Setup:
             self.page_size, self.ring, draft_len, int(self.layout))
 
 
-def c2_decode_rows(setup: C2Setup, seed: int):
-    """One decode batch that exercises every row kind of §5.3 (one row per live request, distinct requests):
-    returns (kv_input, positions, req, raw, kinds)."""
+def c2_decode_rows(setup: C2Setup, seed: int, wide: bool = False):
+    """One decode batch that exercises every row kind of §5.3 (one row per live request, distinct requests),
+    with `wide` also rows whose int64 indices do not fit int32 (the CUDA kernel plans those in 64 bits, the
+    others in 32): returns (kv_input, positions, req, raw, kinds)."""
     g = gen(seed)
     reqs = (1 + torch.randperm(setup.owners - 1, generator=g)).tolist()
     kinds, positions, req, raw = [], [], [], []
@@ -300,6 +301,11 @@ def c2_decode_rows(setup: C2Setup, seed: int):
     add("odd", 35, reqs.pop(), 1)  # raw 1 -> compressed slot 0, a live store
     add("odd", 37, setup.owners + 3, 2 * cslots.pop() + 1)  # req out of range: pad partner
     add("even", 38, -1, 2 * cslots.pop())  # req out of range: no ring write
+    if wide:
+        add("odd", 2**32 + 7, reqs.pop(), 2 * cslots.pop() + 1)  # pools with its ring partner; p - 1 past the table
+        add("even", 2**32 + 10, reqs.pop(), 2 * cslots.pop())  # parks at (2^32 + 10) % ring
+        add("odd", 45, reqs.pop(), 2**40 + 1)  # compressed slot far past the cache: pools, no store
+        add("odd", 47, 2**33, 2 * cslots.pop() + 1)  # req far out of range: pad partner
     live_req = req[0]
     add("pad_odd", 41, live_req, 0)  # padded rows aliasing a live request
     add("pad_even", 42, live_req, -3)
@@ -325,7 +331,7 @@ def c2_decode_rows(setup: C2Setup, seed: int):
 def test_c2_decode_matches_reference(device, layout, page_size, idx_dtype):
     seed = 1000 + 100 * int(layout) + page_size + (7 if idx_dtype == torch.int64 else 0)
     setup = C2Setup(layout, page_size, ring=8, owners=24, seed=seed, device=device)
-    x, positions, req, raw, kinds = c2_decode_rows(setup, seed)
+    x, positions, req, raw, kinds = c2_decode_rows(setup, seed, wide=idx_dtype == torch.int64)
     state0, buf0 = setup.state.cpu().clone(), setup.buf.cpu().clone()
     args = [x.to(device)] + [idx(v, idx_dtype, device) for v in (positions, req, raw)]
     latent = setup.call(*args)

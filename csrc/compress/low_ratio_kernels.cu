@@ -178,6 +178,25 @@ __global__ void __launch_bounds__(kRowThreads) c1_decode_kernel(LowRatioParams p
   norm_rope_store4<L>(p, token, dim, x, weight_bits, cs, slot, group_partials);
 }
 
+// The 64-bit plan, out of line: only rows whose indices do not fit int32 (or rings of 2^31 rows) take it.
+__device__ __noinline__ PairRowPlan plan_pair_row_wide(int64_t token, int64_t position, int64_t req,
+                                                       int64_t raw_out_loc, PairRing ring, int64_t capacity,
+                                                       int64_t max_pos) {
+  return plan_pair_row(token, position, req, raw_out_loc, ring, capacity, max_pos);
+}
+
+__device__ __forceinline__ bool fits_int32(int64_t v) { return v == int64_t(int32_t(v)); }
+
+// A c2 row's plan: PairRing32's 32-bit form where it applies (every row of a real batch), else the 64-bit one.
+// The same plan either way.
+__device__ __forceinline__ PairRowPlan plan_c2_row(const LowRatioParams& p, int64_t token, int64_t position,
+                                                   int64_t req, int64_t raw_out_loc) {
+  if (p.ring32.usable && fits_int32(position) && fits_int32(req) && fits_int32(raw_out_loc)) {
+    return p.ring32.plan_row(int32_t(token), int32_t(position), int32_t(req), int32_t(raw_out_loc));
+  }
+  return plan_pair_row_wide(token, position, req, raw_out_loc, p.ring, p.cache.capacity(), p.max_pos);
+}
+
 // c2: a single warp spent most of an emitting row issuing the 512 accurate exp + IEEE divisions of
 // pair_pool back to back; here each thread pools its 4 dims.
 // The row's (kv, score), the weight and the row's indices do not depend on each other, so their loads are
@@ -200,8 +219,7 @@ __global__ void __launch_bounds__(kRowThreads) c2_decode_or_verify_kernel(LowRat
   load_widen4<true>(row + kMainDim + dim, score);
   uint32_t weight_bits[kThreadDims];
   load_weight_bits<kThreadDims>(p, dim, weight_bits);
-  const PairRowPlan plan = plan_pair_row(token, p.positions[token], p.req_pool_indices[token], p.out_loc[token],
-                                         p.ring, p.cache.capacity(), p.max_pos);
+  const PairRowPlan plan = plan_c2_row(p, token, p.positions[token], p.req_pool_indices[token], p.out_loc[token]);
 
   if (!plan.emits) {
     // Padding (p < 0) or an even row: a zero latent, and a live even row parks (kv, score).

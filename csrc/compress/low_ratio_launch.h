@@ -26,6 +26,7 @@ struct LowRatioParams {
   float* state;             // c2 pair-state ring rows [rows, 1024], c2 only
   int64_t state_row_stride; // elements
   PairRing ring;            // c2 only
+  PairRing32 ring32;        // c2 only: its 32-bit plan
   PagedCache cache;
   uint16_t* latent;         // output bf16 bits [n, 512], contiguous
   int64_t n;

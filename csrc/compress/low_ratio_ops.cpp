@@ -100,6 +100,7 @@ Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Ten
   p.state = static_cast<float*>(kv_state.data_ptr());
   p.state_row_stride = state_rows > 1 ? kv_state.stride(0) : kPairRowWidth;
   p.ring = make_pair_ring(ring_size, state_rows / ring_size, draft_len);
+  p.ring32 = make_pair_ring32(p.ring, p.cache.capacity(), p.max_pos);
   p.latent = static_cast<uint16_t*>(latent.data_ptr());
   p.n = n;
   const auto kv_layout = static_cast<KVLayout>(layout);
