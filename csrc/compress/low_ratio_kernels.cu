@@ -139,10 +139,11 @@ __device__ __forceinline__ void norm_rope_store4(const LowRatioParams& p, int64_
     round_pair_to_bf16(v[0], v[1]);
     round_pair_to_bf16(v[2], v[3]);
   }
+  // Every thread of the block gets here (slot is block-uniform), so the tile shuffles name whole warps.
   if constexpr (L != KVLayout::V41_FP4) {
-    fake_quant_compressed_bf16_values<4>(v, warp_max_xor(abs_max<4>(v), kQuadThreads));
+    fake_quant_compressed_bf16_values<4>(v, warp_max_xor(abs_max<4>(v), kQuadThreads, 0xFFFFFFFFu));
   }
-  quantize_main_lane<L, true, kThreadDims>(v, threadIdx.x, p.cache.data_row(slot), p.cache.scale_row(slot));
+  quantize_main_lane<L, true, kThreadDims, true>(v, threadIdx.x, p.cache.data_row(slot), p.cache.scale_row(slot));
 }
 
 // c1: the row and the weight do not depend on the indices, so their loads are issued before the index

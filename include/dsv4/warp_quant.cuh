@@ -76,13 +76,17 @@ __device__ __forceinline__ void store_e4m3_lane(const float* x, uint8_t scale_by
 // 2, V41_FP4 1; 4 dims per lane: 16, 8, 4). V4's RoPE lanes store their values as bf16 (a tile never mixes
 // nope and RoPE dims, so their lanes take no part in the nope lanes' reductions).
 // Bf16Values: every x is bf16-representable, which lets V41_FP4 encode pairs (e2m1_pairs.cuh); same bytes.
-template <KVLayout L, bool Bf16Values, int LaneDims = kLaneDims>
+// WholeWarp: every lane of the warp makes this call, so the tile-amax shuffles name the whole warp (a constant
+// mask spares the convergence check that the compiler puts before shuffles with a computed mask).
+template <KVLayout L, bool Bf16Values, int LaneDims = kLaneDims, bool WholeWarp = false>
 __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint8_t* data, uint8_t* scale) {
   constexpr int kTile = LayoutTraits<L>::kTile;
   static_assert(LaneDims % 4 == 0 && kTile % LaneDims == 0, "a lane holds whole words of one tile");
   constexpr int kLanesPerTile = kTile / LaneDims;
   // Every lane takes part in the shuffles before any returns (the RoPE lanes reduce among themselves).
-  const float amax = warp_max_xor(abs_max<LaneDims>(x), kLanesPerTile);
+  const float lane_amax = abs_max<LaneDims>(x);
+  const float amax = WholeWarp ? warp_max_xor(lane_amax, kLanesPerTile, 0xFFFFFFFFu)
+                               : warp_max_xor(lane_amax, kLanesPerTile);
   if (L == KVLayout::V4 && sub >= kV4NopeDim / LaneDims) {
     uint32_t w[LaneDims / 2];
 #pragma unroll
