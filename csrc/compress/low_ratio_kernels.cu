@@ -57,7 +57,8 @@ __device__ __forceinline__ void load_state4(const float* src, float* out) {
 __device__ __forceinline__ void store_latent4(const LowRatioParams& p, int64_t token, int dim, const uint16_t* bits) {
   uint16_t* dst = p.latent + token * kMainDim + dim;
   if ((reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(bits[0] | (uint32_t(bits[1]) << 16), bits[2] | (uint32_t(bits[3]) << 16));
+    *reinterpret_cast<uint2*>(dst) =
+        make_uint2(bits[0] | (uint32_t(bits[1]) << 16), bits[2] | (uint32_t(bits[3]) << 16));
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) dst[i] = bits[i];

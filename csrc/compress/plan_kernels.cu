@@ -72,7 +72,10 @@ __device__ __forceinline__ int32_t shfl_up(int32_t v, int d) { return __shfl_up_
 __device__ __forceinline__ ScanPair shfl_up(ScanPair v, int d) { return ScanPair{shfl_up(v.x, d), shfl_up(v.y, d)}; }
 __device__ __forceinline__ int32_t shfl(int32_t v, int lane) { return __shfl_sync(0xFFFFFFFFu, v, lane); }
 __device__ __forceinline__ ScanPair shfl(ScanPair v, int lane) { return ScanPair{shfl(v.x, lane), shfl(v.y, lane)}; }
+__device__ __forceinline__ uint32_t shfl_up(uint32_t v, int d) { return __shfl_up_sync(0xFFFFFFFFu, v, d); }
+__device__ __forceinline__ uint32_t shfl(uint32_t v, int lane) { return __shfl_sync(0xFFFFFFFFu, v, lane); }
 __device__ __forceinline__ int32_t warp_sum(int32_t v) { return __reduce_add_sync(0xFFFFFFFFu, v); }
+__device__ __forceinline__ uint32_t warp_sum(uint32_t v) { return __reduce_add_sync(0xFFFFFFFFu, v); }
 __device__ __forceinline__ ScanPair warp_sum(ScanPair v) { return ScanPair{warp_sum(v.x), warp_sum(v.y)}; }
 
 // A request's ragged tokens and its (compress, write) rows at ragged offset 0, scanned together, the rows
@@ -104,13 +107,13 @@ __device__ __forceinline__ ScanTokensRows operator-(ScanTokensRows a, ScanTokens
   return ScanTokensRows{a.tokens - b.tokens, a.rows - b.rows};
 }
 __device__ __forceinline__ ScanTokensRows shfl_up(ScanTokensRows v, int d) {
-  return ScanTokensRows{shfl_up(v.tokens, d), __shfl_up_sync(0xFFFFFFFFu, v.rows, d)};
+  return ScanTokensRows{shfl_up(v.tokens, d), shfl_up(v.rows, d)};
 }
 __device__ __forceinline__ ScanTokensRows shfl(ScanTokensRows v, int lane) {
-  return ScanTokensRows{shfl(v.tokens, lane), __shfl_sync(0xFFFFFFFFu, v.rows, lane)};
+  return ScanTokensRows{shfl(v.tokens, lane), shfl(v.rows, lane)};
 }
 __device__ __forceinline__ ScanTokensRows warp_sum(ScanTokensRows v) {
-  return ScanTokensRows{warp_sum(v.tokens), __reduce_add_sync(0xFFFFFFFFu, v.rows)};
+  return ScanTokensRows{warp_sum(v.tokens), warp_sum(v.rows)};
 }
 
 // Exclusive prefix sums in thread order over the block (a whole number of warps), and the block total.
@@ -431,8 +434,8 @@ __device__ __forceinline__ PrefillPlanParams with_ratio(PrefillPlanParams p) {
 // Batches of at most kScanTile requests, one launch. A block has one thread per request, rounded up to a
 // warp, and at least the owner lanes of its slice; every block plans and scans the whole batch
 // (redundant: at 1024 requests this work sets c128's time, while c4's is set by its owner lanes' three
-// dependent loads; a batch of one warp scans without barriers), then covers blockDim.x rows of each plan. The owner lanes write the requests' first
-// rows: the positions need only the request's own lengths, so the table loads are issued before the scans
+// dependent loads; a batch of one warp scans without barriers), then covers blockDim.x rows of each plan.
+// The owner lanes write the requests' first rows: the positions need only the request's own lengths, so the table loads are issued before the scans
 // and fly during them. A verify step then waits for about the decode planner's chain of loads, not for
 // scans, then a search, then the loads; and as no request has further rows, the other rows are sentinels,
 // found without a search.
