@@ -435,10 +435,10 @@ __device__ __forceinline__ PrefillPlanParams with_ratio(PrefillPlanParams p) {
 // warp, and at least the owner lanes of its slice; every block plans and scans the whole batch
 // (redundant: at 1024 requests this work sets c128's time, while c4's is set by its owner lanes' three
 // dependent loads; a batch of one warp scans without barriers), then covers blockDim.x rows of each plan.
-// The owner lanes write the requests' first rows: the positions need only the request's own lengths, so the table loads are issued before the scans
-// and fly during them. A verify step then waits for about the decode planner's chain of loads, not for
-// scans, then a search, then the loads; and as no request has further rows, the other rows are sentinels,
-// found without a search.
+// The owner lanes write the requests' first rows: the positions need only the request's own lengths, so the
+// table loads are issued before the scans and fly during them. A verify step then waits for about the decode
+// planner's chain of loads, not for scans, then a search, then the loads; and as no request has further rows,
+// the other rows are sentinels, found without a search.
 template <int kRatio>
 __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPlanParams params) {
   const PrefillPlanParams p = with_ratio<kRatio>(params);
