@@ -16,8 +16,8 @@ template <KVLayout L>
 __device__ __forceinline__ void dequant_lane(const uint8_t* data, const uint8_t* scale, int lane,
                                              uint16_t* out) {
   if constexpr (L == KVLayout::V41_FP4) {
-    const uint2 codes = __ldg(reinterpret_cast<const uint2*>(data + 8 * lane));
-    const float s = e4m3_decode(__ldg(scale + lane));
+    const uint2 codes = load_input(reinterpret_cast<const uint2*>(data + 8 * lane));
+    const float s = e4m3_decode(load_input(scale + lane));
     // e2m1 value times an e4m3 scale has at most 6 significant bits, so the bf16 result is the
     // top half of the exact fp32 product; only a NaN scale needs the canonical NaN.
     const bool nan_tile = is_nan_f32(s);
@@ -31,7 +31,7 @@ __device__ __forceinline__ void dequant_lane(const uint8_t* data, const uint8_t*
     if (L == KVLayout::V4 && lane >= kRopeFirstLane) {
       // Stored bf16 RoPE dims are copied verbatim.
       const uint4* src = reinterpret_cast<const uint4*>(data + kV4NopeDim + 32 * (lane - kRopeFirstLane));
-      const uint4 a = __ldg(src), b = __ldg(src + 1);
+      const uint4 a = load_input(src), b = load_input(src + 1);
       const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -41,8 +41,8 @@ __device__ __forceinline__ void dequant_lane(const uint8_t* data, const uint8_t*
       return;
     }
     constexpr int kLanesPerTile = LayoutTraits<L>::kTile / kLaneDims;
-    const uint4 q = __ldg(reinterpret_cast<const uint4*>(data + 16 * lane));
-    const float s = ue8m0_to_f32(__ldg(scale + lane / kLanesPerTile));
+    const uint4 q = load_input(reinterpret_cast<const uint4*>(data + 16 * lane));
+    const float s = ue8m0_to_f32(load_input(scale + lane / kLanesPerTile));
     const uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int k = 0; k < 8; ++k) {

@@ -292,18 +292,18 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
   float w[kLaneDims];
   if (p.weight_fp32) {
 #pragma unroll
-    for (int k = 0; k < kLaneDims; ++k) w[k] = __ldg(static_cast<const float*>(p.weight) + lane * kLaneDims + k);
+    for (int k = 0; k < kLaneDims; ++k) w[k] = load_input(static_cast<const float*>(p.weight) + lane * kLaneDims + k);
   } else {
 #pragma unroll
     for (int k = 0; k < kLaneDims; ++k) {
-      w[k] = bf16_to_f32(__ldg(static_cast<const uint16_t*>(p.weight) + lane * kLaneDims + k));
+      w[k] = bf16_to_f32(load_input(static_cast<const uint16_t*>(p.weight) + lane * kLaneDims + k));
     }
   }
   // This lane's RoPE table pair of row i (the table is 8-byte aligned: host check).
   const float2* lane_table = reinterpret_cast<const float2*>(p.freqs) + lane;
   auto table_pair = [&](int i) {
     const int32_t position = __shfl_sync(kAll, position_j, i);
-    return __ldg(lane_table + int64_t(position) * (kRopeDim / 2));
+    return load_input(lane_table + int64_t(position) * (kRopeDim / 2));
   };
   float2 cs_next = table_pair(0);
   int stage = 0;

@@ -30,27 +30,15 @@ template <int N>
 __device__ __forceinline__ void load_weight_bits(const LowRatioParams& p, int first, uint32_t* bits) {
   if (p.weight_fp32) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) bits[i] = __ldg(static_cast<const uint32_t*>(p.weight) + first + i);
+    for (int i = 0; i < N; ++i) bits[i] = load_input(static_cast<const uint32_t*>(p.weight) + first + i);
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) bits[i] = __ldg(static_cast<const uint16_t*>(p.weight) + first + i);
+    for (int i = 0; i < N; ++i) bits[i] = load_input(static_cast<const uint16_t*>(p.weight) + first + i);
   }
 }
 
 __device__ __forceinline__ float weight_value(const LowRatioParams& p, uint32_t bits) {
   return p.weight_fp32 ? __uint_as_float(bits) : bf16_to_f32(uint16_t(bits));
-}
-
-// Plain (coherent) loads for the state ring, which this kernel also writes; __ldg is kept for the
-// read-only inputs.
-__device__ __forceinline__ void load_state4(const float* src, float* out) {
-  if (aligned16(src)) {
-    const float4 v = *reinterpret_cast<const float4*>(src);
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) out[i] = src[i];
-  }
 }
 
 // Writes latent dims [dim, dim + 4) of the row (8 bytes of bf16 bits).
@@ -161,7 +149,7 @@ __global__ void __launch_bounds__(kRowThreads) c1_decode_kernel(LowRatioParams p
   pdl_wait_dependencies();
   const bool vector = (reinterpret_cast<uintptr_t>(src) & 7) == 0;
   uint2 raw = {};
-  if (vector) raw = __ldg(reinterpret_cast<const uint2*>(src));
+  if (vector) raw = load_input(reinterpret_cast<const uint2*>(src));
   uint32_t weight_bits[kThreadDims];
   load_weight_bits<kThreadDims>(p, dim, weight_bits);
   const int64_t position = p.positions[token];
@@ -175,7 +163,7 @@ __global__ void __launch_bounds__(kRowThreads) c1_decode_kernel(LowRatioParams p
     x[2] = bits_f32(raw.y << 16); x[3] = bits_f32(raw.y & 0xFFFF0000u);
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = bf16_to_f32(__ldg(src + i));
+    for (int i = 0; i < 4; ++i) x[i] = bf16_to_f32(load_input(src + i));
   }
   norm_rope_store4<L>(p, token, dim, x, weight_bits, cs, slot, group_partials);
 }
@@ -243,8 +231,8 @@ __global__ void __launch_bounds__(kRowThreads) c2_decode_or_verify_kernel(LowRat
     load_widen4<true>(partner + kMainDim + dim, s_even);
   } else if (plan.partner_ring >= 0) {
     const float* partner = p.state + plan.partner_ring * p.state_row_stride;
-    load_state4(partner + dim, k_even);
-    load_state4(partner + kMainDim + dim, s_even);
+    load_widen4<true>(partner + dim, k_even);
+    load_widen4<true>(partner + kMainDim + dim, s_even);
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

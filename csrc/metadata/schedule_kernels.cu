@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) schedule_resolve_kernel(const Schedu
     const int64_t tile_first = tile * kScheduleTile;
     const int64_t tile_len = p.batch - tile_first < kScheduleTile ? p.batch - tile_first : kScheduleTile;
     const int64_t* local = p.workspace + tile_first;
-    const auto local_at = [&](int64_t j) { return __ldg(local + j); };  // written by phase 1
+    const auto local_at = [&](int64_t j) { return load_input(local + j); };  // written by phase 1
     const int64_t j = count_not_above(local_at, tile_len, start - before_tile);
     write_row(p.out, i, tile_first + j, p.batch, start, before_tile + (j > 0 ? local_at(j - 1) : 0));
   }

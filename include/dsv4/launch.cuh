@@ -18,6 +18,15 @@ __device__ __forceinline__ void pdl_wait_dependencies() {
 #endif
 }
 
+// A read of an op input: a plain global load, never __ldg. A non-coherent load (ld.global.nc) promises that its
+// data does not change while the grid lives, and under PDL a grid starts before the previous one has finished
+// writing: ptxas may, and does, schedule such a load above griddepcontrol.wait (nvcc 13.0, sm_90: c2's row and
+// weight loads moved there once a few instructions were added before the wait). A plain load stays after it.
+template <class T>
+__device__ __forceinline__ T load_input(const T* address) {
+  return *address;
+}
+
 // Let the next grid on the stream start its prologue; it still waits for our completion.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "dsv4/launch.cuh"
 #include "dsv4/quant.cuh"
 
 namespace dsv4 {
@@ -33,10 +34,10 @@ __device__ __forceinline__ void load_raw_misaligned(const void* src, RawElements
 #pragma unroll 1
   for (int i = 0; i < kWords; ++i) {
     if constexpr (IsFp32) {
-      buffer[i] = __ldg(static_cast<const uint32_t*>(src) + i);
+      buffer[i] = load_input(static_cast<const uint32_t*>(src) + i);
     } else {
       const uint16_t* s = static_cast<const uint16_t*>(src) + 2 * i;
-      buffer[i] = uint32_t(__ldg(s)) | (uint32_t(__ldg(s + 1)) << 16);
+      buffer[i] = uint32_t(load_input(s)) | (uint32_t(load_input(s + 1)) << 16);
     }
   }
 #pragma unroll
@@ -54,7 +55,7 @@ __device__ __forceinline__ void load_raw(const void* src, RawElements<N, IsFp32>
   }
 #pragma unroll
   for (int k = 0; k < RawElements<N, IsFp32>::kVectors; ++k) {
-    raw.v[k] = __ldg(static_cast<const uint4*>(src) + k);
+    raw.v[k] = load_input(static_cast<const uint4*>(src) + k);
   }
 }
 
@@ -93,21 +94,21 @@ __device__ __forceinline__ void load_widen4(const void* src, float* out) {
   if constexpr (IsFp32) {
     const float* s = static_cast<const float*>(src);
     if (aligned16(s)) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(s));
+      const float4 v = load_input(reinterpret_cast<const float4*>(s));
       out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) out[i] = __ldg(s + i);
+      for (int i = 0; i < 4; ++i) out[i] = load_input(s + i);
     }
   } else {
     const uint16_t* s = static_cast<const uint16_t*>(src);
     if ((reinterpret_cast<uintptr_t>(s) & 7) == 0) {
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(s));
+      const uint2 v = load_input(reinterpret_cast<const uint2*>(s));
       out[0] = bf16_to_f32(uint16_t(v.x & 0xFFFF)); out[1] = bf16_to_f32(uint16_t(v.x >> 16));
       out[2] = bf16_to_f32(uint16_t(v.y & 0xFFFF)); out[3] = bf16_to_f32(uint16_t(v.y >> 16));
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) out[i] = bf16_to_f32(__ldg(s + i));
+      for (int i = 0; i < 4; ++i) out[i] = bf16_to_f32(load_input(s + i));
     }
   }
 }

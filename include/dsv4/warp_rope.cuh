@@ -17,8 +17,8 @@ namespace dsv4 {
 // This lane's (cos, sin) entries 2l, 2l+1 of the table row: the pair it rotates.
 __device__ __forceinline__ float2 load_table_pair(const float* table_row, int lane) {
   const float* src = table_row + 2 * lane;
-  if ((reinterpret_cast<uintptr_t>(src) & 7) == 0) return __ldg(reinterpret_cast<const float2*>(src));
-  return make_float2(__ldg(src), __ldg(src + 1));
+  if ((reinterpret_cast<uintptr_t>(src) & 7) == 0) return load_input(reinterpret_cast<const float2*>(src));
+  return make_float2(load_input(src), load_input(src + 1));
 }
 
 // Rotates the 64 tail dims held by lanes 28..31 (16 each), one pair per lane: the tail goes through
