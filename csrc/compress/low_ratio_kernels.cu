@@ -146,6 +146,7 @@ __global__ void __launch_bounds__(kRowThreads) c1_decode_kernel(LowRatioParams p
   const uint16_t* src = static_cast<const uint16_t*>(p.kv.data) + token * p.kv.row_stride + dim;
   prefetch_l2(src);
   prefetch_indices(p, false);
+  warm_params(p, src);
   pdl_wait_dependencies();
   const bool vector = (reinterpret_cast<uintptr_t>(src) & 7) == 0;
   uint2 raw = {};
@@ -203,6 +204,7 @@ __global__ void __launch_bounds__(kRowThreads) c2_decode_or_verify_kernel(LowRat
   prefetch_l2(row + dim);
   prefetch_l2(row + kMainDim + dim);
   prefetch_indices(p, true);
+  warm_params(p, row + dim);
   pdl_wait_dependencies();
   float kv[4], score[4];
   load_widen4<true>(row + dim, kv);
