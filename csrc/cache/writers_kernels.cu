@@ -195,6 +195,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel
   const int lane = threadIdx.x & 31;
   const int64_t token = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (token < p.n) prefetch_row<S, KvFp32>(p, token, lane * kLaneDims, lane == 0);
+  warm_params(p, p.kv.data);
   pdl_wait_dependencies();
   if (token >= p.n) return;
   RawElements<kLaneDims, KvFp32> row;

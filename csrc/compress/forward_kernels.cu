@@ -482,6 +482,7 @@ __global__ void __launch_bounds__(kC4DecodeMaxThreads) c4_decode_kernel(ForwardP
   // The thread's first channel over the batch's rows laid end to end; D (512 or 128) is a power of two.
   const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N;
   const int64_t b = first >> (__ffsll(D) - 1), c = first & (D - 1);
+  warm_params(p, p.plan);
   pdl_wait_dependencies();
   if (b >= p.plan_rows) return;
   const DecodeEntry e = load_decode_entry(p.plan + b * kPlanRowBytes);

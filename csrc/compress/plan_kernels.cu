@@ -53,6 +53,7 @@ __device__ __forceinline__ WriteEntry load_entry(const WriteEntry* src) {
 }
 
 __global__ void decode_plan_kernel(DecodePlanParams p) {
+  warm_params(p, p.plan);
   pdl_wait_dependencies();
   pdl_launch_dependents();
   const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -444,6 +445,7 @@ __global__ void __launch_bounds__(kScanTile) prefill_plan_fused_kernel(PrefillPl
   const PrefillPlanParams p = with_ratio<kRatio>(params);
   __shared__ RequestStarts starts[kScanTile];
   __shared__ ScanPair totals;
+  warm_params(params, params.plan_c);
   pdl_wait_dependencies();
   pdl_launch_dependents();
   // Warp-uniform: the warps past the slice's owner lanes, and every warp of a block past the owner
