@@ -7,8 +7,9 @@
 CASE: kwriter / kwriter_fp4 / kwriter_v4 (V41 / V41_FP4 / V4, 2^20 tokens), compress_v4 / indexer_fp8 / indexer_fp4
 (compress writer, 2^20 decode-plan rows), compress_v4_prefill (the same as a prefill plan, 2^16 rows),
 c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests), c128e (c128 decode, 64 requests of
-which the first alone closes a chunk), c4p / c128p (prefill of 65536 tokens from scratch), plan
-(plan_compress_prefill, c4 paged, 64 requests x 4 drafts), plan128 (the same for c128 with request rings);
+which the first alone closes a chunk), c4p / c4p128 / c128p (prefill of 65536 tokens from scratch; c4p128 with
+head_dim 128), plan (plan_compress_prefill, c4 paged, 64 requests x 4 drafts), plan128 (the same for c128 with
+request rings);
 SIZE replaces the row / request count.
 Two warm-up calls precede the profiled one.
 """
@@ -61,9 +62,9 @@ def compress(ratio, bs, one_emitting=False):
     return lambda: dsv4.compress_forward(state, x, ape, plan, head_dim=hd)
 
 
-def compress_prefill(ratio, tokens):
+def compress_prefill(ratio, tokens, hd=512):
     """The first chunk (at most 2^16 tokens) of a single-request prefill from scratch."""
-    hd, ring = 512, (16 if ratio == 4 else 256)
+    ring = 16 if ratio == 4 else 256
     plan = bc._prefill_plans(ratio, ring, tokens)[0]
     rows = min(tokens, bc.MAX_PLAN_TOKENS)
     state = dsv4.alloc_compress_state(ratio, hd, 2, ring, device="cuda")
@@ -103,6 +104,7 @@ fn = {
     "c128": lambda: compress(128, size or 64),
     "c128e": lambda: compress(128, size or 64, one_emitting=True),
     "c4p": lambda: compress_prefill(4, size or 65536),
+    "c4p128": lambda: compress_prefill(4, size or 65536, hd=128),
     "c128p": lambda: compress_prefill(128, size or 65536),
     "plan": lambda: planner(size or 64),
     "plan128": lambda: planner(size or 64, ratio=128),
