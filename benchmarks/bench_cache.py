@@ -76,7 +76,8 @@ def _decode_store(bench, results, fmt, name):
         xs = [torch.randn(n, width, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS_PER_GRAPH)]
         slot_sets = torch.randperm(capacity, device="cuda")[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
         us = bench.time_graph([lambda x=x, s=s: ours(x, cache, s) for x, s in zip(xs, slot_sets)])
-        t_us = torch_baseline_us(lambda: bench.time_graph([lambda x=x, s=s: theirs(x, cache, s) for x, s in zip(xs, slot_sets)]))
+        t_us = torch_baseline_us(
+            lambda: bench.time_graph([lambda x=x, s=s: theirs(x, cache, s) for x, s in zip(xs, slot_sets)]))
         results.append(row(bench, family="kv_io", op="store", case=f"{name} decode", n=n, us=us,
                            nbytes=_store_bytes(fmt, n), torch_us=t_us, target="<= 3 us" if n <= 256 else ""))
 
@@ -97,7 +98,8 @@ def _large_store(bench, results, fmt, name):
                 # Scatter of the same data rows from a contiguous source into the same slots.
                 data_bytes = fmt.data_bytes
                 words = as_words(data_bytes)
-                dst = torch.zeros(n, data_bytes // torch.empty((), dtype=words).element_size(), dtype=words, device="cuda")
+                word_bytes = torch.empty((), dtype=words).element_size()
+                dst = torch.zeros(n, data_bytes // word_bytes, dtype=words, device="cuda")
                 src = torch.ones_like(dst)
                 extra = dict(baseline_us=scatter_copy_us(bench, dst, slots.long(), src),
                              baseline_bytes=2 * n * data_bytes)

@@ -25,7 +25,8 @@ def _constant(values, device):
 def _page_views(cache, page_size, data_bytes, scale_bytes):
     pages = cache.shape[0]
     data = cache[:, : page_size * data_bytes].view(pages, page_size, data_bytes)
-    scale = cache[:, page_size * data_bytes : page_size * (data_bytes + scale_bytes)].view(pages, page_size, scale_bytes)
+    scale_region = cache[:, page_size * data_bytes : page_size * (data_bytes + scale_bytes)]
+    scale = scale_region.view(pages, page_size, scale_bytes)
     return data, scale
 
 

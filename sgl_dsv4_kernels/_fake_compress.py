@@ -47,7 +47,8 @@ def _check_batch_vector(op, name, t, batch, anchor):
 def _check_plan_buffer(op, name, t, rows, width, anchor):
     check_same_device(op, name, t, anchor)
     torch._check(t.dtype == torch.uint8, _msg(op, f"{name} must be uint8, got {t.dtype}"))
-    torch._check(t.dim() == 2 and t.size(0) == rows and t.size(1) == width, _msg(op, f"{name} must be [{rows}, {width}]"))
+    torch._check(t.dim() == 2 and t.size(0) == rows and t.size(1) == width,
+                 _msg(op, f"{name} must be [{rows}, {width}]"))
     torch._check(t.is_contiguous(), _msg(op, f"{name} must be contiguous"))
 
 
@@ -85,7 +86,8 @@ def _check_prefill(op, req_pool_indices, seq_lens, extend_lens, req_to_token, fu
     check_index_vector(op, "req_pool_indices", req_pool_indices, req_pool_indices)
     batch = req_pool_indices.size(0)
     torch._check(batch <= _MAX_PLAN_BATCH,
-                 _msg(op, f"batch_size={batch} must be below {_MAX_PLAN_BATCH + 1} (batch ids are packed into 16 bits)"))
+                 _msg(op, f"batch_size={batch} must be below {_MAX_PLAN_BATCH + 1} "
+                          "(batch ids are packed into 16 bits)"))
     host_input = allow_host_input and req_pool_indices.device.type == "cuda" and seq_lens.device.type == "cpu"
     lens_anchor = seq_lens if host_input else req_pool_indices
     _check_batch_vector(op, "seq_lens", seq_lens, batch, lens_anchor)

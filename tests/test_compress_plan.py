@@ -42,10 +42,12 @@ def test_state_ring_size_and_capacity():
 def test_check_ring_serves_draft_tokens_message():
     dsv4.check_ring_serves_draft_tokens(4, 16, 6)
     dsv4.check_ring_serves_draft_tokens(4, 16, 10)
-    with pytest.raises(ValueError, match=r"^ratio-4 state ring of 16 rows serves at most 10 draft tokens; grow the ring$"):
+    with pytest.raises(ValueError,
+                       match=r"^ratio-4 state ring of 16 rows serves at most 10 draft tokens; grow the ring$"):
         dsv4.check_ring_serves_draft_tokens(4, 16, 11)
     dsv4.check_ring_serves_draft_tokens(128, 128, 1)
-    with pytest.raises(ValueError, match=r"^ratio-128 state ring of 128 rows serves at most 1 draft tokens; grow the ring$"):
+    with pytest.raises(ValueError,
+                       match=r"^ratio-128 state ring of 128 rows serves at most 1 draft tokens; grow the ring$"):
         dsv4.check_ring_serves_draft_tokens(128, 128, 2)
 
 
@@ -266,7 +268,8 @@ def test_gpu_path_full_batch_at_the_token_bound(ratio, ring):
 
 def test_no_duplicate_write_loc_outside_owner0():
     """Requests owning distinct pages / slots: no two valid writes of one call share a row."""
-    for ratio, ring, paged, draft in [(4, 16, True, 10), (4, 8, False, 1), (128, 256, False, 130), (128, 128, False, 1)]:
+    cases = [(4, 16, True, 10), (4, 8, False, 1), (128, 256, False, 130), (128, 128, False, 1)]
+    for ratio, ring, paged, draft in cases:
         e = Engine(ratio, 128 if ratio == 4 else 512, ring, paged=paged, num_requests=6, max_tokens=3000)
         g = gen("dup", ratio, ring)
         L = torch.randint(draft + 1, 2900, (6,), generator=g)
@@ -398,7 +401,8 @@ def test_65536_tokens_accepted(device, ratio, paged):
 def test_num_q_tokens_bound(device):
     one = torch.tensor([1], device=device)
     kw = dict(compress_ratio=128, ring_size=128, use_req_ring=True)
-    with pytest.raises(RuntimeError, match=r"plan_compress_prefill: num_q_tokens=65537 exceeds 65536 \(ragged ids are uint16\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"plan_compress_prefill: num_q_tokens=65537 exceeds 65536 \(ragged ids are uint16\)"):
         dsv4.plan_compress_prefill(one, one, one, num_q_tokens=65537, **kw)
     pc = torch.empty(65537, 16, dtype=torch.uint8, device=device)
     pw = torch.empty(65537, 8, dtype=torch.uint8, device=device)

@@ -517,7 +517,8 @@ def test_section5_dequant_e4m3(sb, payload, expected):
     bits = i16_bits(out)
     assert bits[:448] == [expected] * 448
     assert bits[448:451] == [0x3F80, 0x7FFF, 0x8001] and bits[451:] == [0x1234] * 61
-    out = ref.dequantize_rows(torch.full((512,), payload, dtype=torch.uint8), torch.full((16,), sb, dtype=torch.uint8), 1)
+    out = ref.dequantize_rows(torch.full((512,), payload, dtype=torch.uint8),
+                              torch.full((16,), sb, dtype=torch.uint8), 1)
     assert i16_bits(out) == [expected] * 512
 
 
@@ -590,7 +591,8 @@ def test_section6_fake_quant_fp4_overflow_and_blocks():
 
 def test_fake_quant_compressed_kv_matches_fp4_dequant_and_shapes():
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(7, 3, 512, generator=g) * torch.exp2(torch.randint(-20, 20, (7, 3, 32, 1), generator=g)).repeat_interleave(16, -1).reshape(7, 3, 512)).to(torch.bfloat16)
+    tile_scales = torch.exp2(torch.randint(-20, 20, (7, 3, 32, 1), generator=g)).repeat_interleave(16, -1)
+    x = (torch.randn(7, 3, 512, generator=g) * tile_scales.reshape(7, 3, 512)).to(torch.bfloat16)
     y = ref.fake_quant_compressed_kv(x)
     data, scale = ref.quantize_rows(x, "v41_fp4")
     deq = ref.dequantize_rows(data, scale, "v41_fp4")
@@ -827,7 +829,8 @@ def test_t5a_closed_forms_exhaustive(form, t5_inputs):
 # cache-writers.md 7.4 pins
 
 
-@pytest.mark.parametrize("d, ss, r, y_rest", [(512, 0x3F8000FF, 0x41B5043E, 0x3BB5043E), (128, 0x3F80003F, 0x413504C6, 0x3B3504C6)])
+@pytest.mark.parametrize("d, ss, r, y_rest",
+                         [(512, 0x3F8000FF, 0x41B5043E, 0x3BB5043E), (128, 0x3F80003F, 0x413504C6, 0x3B3504C6)])
 def test_pin_norm_order(d, ss, r, y_rest):
     x = torch.full((d,), 2.0**-12)
     x[0] = 1.0
@@ -909,7 +912,8 @@ def test_fused_store_cache_argument_rules():
     with pytest.raises(RuntimeError, match="layout"):
         ref.fused_store_cache(x[:, :128], icache, torch.tensor([0]), page_size=1, type="indexer", layout=1)
     with pytest.raises(RuntimeError, match="freqs_cis"):
-        ref.fused_store_cache(x[:, :128], icache, torch.tensor([0]), page_size=1, type="indexer", freqs_cis=torch.zeros(1, 64))
+        ref.fused_store_cache(x[:, :128], icache, torch.tensor([0]), page_size=1, type="indexer",
+                              freqs_cis=torch.zeros(1, 64))
 
 
 def test_pin_no_fma_in_rope_composed():
@@ -972,7 +976,8 @@ def test_round_trip_and_pages(layout, p):
     assert torch.equal(named[layout](k), pages)
 
     deq = ref.dequantize_k_cache(pages, p, layout)
-    named_d = {"v4": ref.dequantize_k_cache_v4, "v41": ref.dequantize_k_cache_v41, "v41_fp4": ref.dequantize_k_cache_v41_fp4}
+    named_d = {"v4": ref.dequantize_k_cache_v4, "v41": ref.dequantize_k_cache_v41,
+               "v41_fp4": ref.dequantize_k_cache_v41_fp4}
     assert torch.equal(named_d[layout](pages, p).view(torch.int16), deq.view(torch.int16))
     # Sanity bound on the round-trip error, per tile of 16 (fp4 steps are coarse; e4m3 keeps 3 mantissa bits).
     xt = x.reshape(-1, 32, 16)

@@ -67,7 +67,8 @@ def test_pages_equal_on_cpu_and_cuda(rows, layout):
     page, pages = 64, 70
     width = ref.kv_page_bytes(layout, page)
     cache = torch.randint(0, 256, (pages, width + 64), dtype=torch.uint8, generator=gen)[:, :width]
-    slots = torch.cat([torch.randperm(pages * page, generator=gen)[: ROWS - 3], torch.tensor([-1, pages * page, 2**40])])
+    slots = torch.cat([torch.randperm(pages * page, generator=gen)[: ROWS - 3],
+                       torch.tensor([-1, pages * page, 2**40])])
     cache_cuda = cache.cuda()
     ref.store_k_cache(cache, rows, slots, page, layout)
     ref.store_k_cache(cache_cuda, rows.cuda(), slots.cuda(), page, layout)

@@ -75,9 +75,15 @@ void launch_fake_quant(const FakeQuantParams& p, cudaStream_t stream, const char
   const int64_t chunks = p.rows * (p.width / kChunk);
   const dim3 grid(unsigned((chunks + kThreads - 1) / kThreads));
   switch (p.type) {
-    case ElemType::BF16: launch_kernel(fake_quant_kernel<K, ElemType::BF16>, grid, dim3(kThreads), 0, stream, name, p); break;
-    case ElemType::FP16: launch_kernel(fake_quant_kernel<K, ElemType::FP16>, grid, dim3(kThreads), 0, stream, name, p); break;
-    case ElemType::FP32: launch_kernel(fake_quant_kernel<K, ElemType::FP32>, grid, dim3(kThreads), 0, stream, name, p); break;
+    case ElemType::BF16:
+      launch_kernel(fake_quant_kernel<K, ElemType::BF16>, grid, dim3(kThreads), 0, stream, name, p);
+      break;
+    case ElemType::FP16:
+      launch_kernel(fake_quant_kernel<K, ElemType::FP16>, grid, dim3(kThreads), 0, stream, name, p);
+      break;
+    case ElemType::FP32:
+      launch_kernel(fake_quant_kernel<K, ElemType::FP32>, grid, dim3(kThreads), 0, stream, name, p);
+      break;
   }
 }
 
