@@ -1,6 +1,7 @@
-"""Ratio-1 and ratio-2 decode compressor benchmarks: c1_decode_norm_rope_store and
-c2_decode_or_verify_norm_rope_store (decode, and verify with 4 drafts) for every main layout, at decode sizes
-under CUDA-graph replay, with bytes counted per compressors.md §9, against compiled torch.
+"""Ratio-1 and ratio-2 compressor benchmarks: c1_decode_norm_rope_store and c2_decode_or_verify_norm_rope_store
+(decode, and verify with 4 drafts) for every main layout, at decode sizes under CUDA-graph replay, with bytes
+counted per compressors.md §9, against compiled torch; c2_prefill_norm_rope_store at prefill sizes (single calls,
+the L2 flushed in between) against one device copy of the same bytes.
 
     python -m benchmarks.bench_low_ratio [--no-torch]
 """
@@ -14,11 +15,13 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout
 
 from . import torch_impls_low_ratio as torch_impls
-from .harness import torch_baseline_us, Bench, compiled, flat_copy_us, row
+from .harness import torch_baseline_us, Bench, compiled, flat_copy_single_us, flat_copy_us, row
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 VERIFY_SIZES = (8, 64, 256)  # requests; 4 draft rows each
 VERIFY_DRAFT = 4
+PREFILL_TOKENS = (4096, 32768, 65536)
+PREFILL_REQUESTS = 8
 CALLS_PER_GRAPH = 64  # disjoint (input, state, slot) sets: bs 1024 replays > 2x L2 for both ops
 DECODE_CACHE_BYTES = 256 << 20  # destination slots rotate over a cache > 2x L2
 PAGE = 64
@@ -132,6 +135,42 @@ def _bench_c2(bench, results, layout, weight, table, with_torch, draft_len):
         del calls
 
 
+def c2_prefill_bytes(layout, positions, starts, lens, ring) -> int:
+    """Every row reads its input and writes its latent row; odd rows write their cache row, and a request whose
+    first position is odd reads its partner from the ring; the even rows among each request's last ring rows
+    (ring even) park theirs."""
+    odd = int((positions & 1).sum())
+    first_odd = int((positions[starts] & 1).sum())
+    parked = sum(int(((positions[s + max(0, n - ring):s + n] & 1) == 0).sum()) for s, n in zip(starts, lens))
+    per_row = PAIR_ROW_BYTES + LATENT_BYTES + 3 * INDEX_BYTES
+    return positions.numel() * per_row + odd * _written(layout) + (first_odd + parked) * PAIR_ROW_BYTES
+
+
+def _bench_c2_prefill(bench, results, layout, weight, table):
+    """A chunk of PREFILL_REQUESTS requests of equal length at random start positions (mixed parity)."""
+    cache = _cache(layout)
+    capacity = cache.shape[0] * PAGE
+    ring = dsv4.state_ring_size(2, 0)
+    for tokens in PREFILL_TOKENS:
+        per = tokens // PREFILL_REQUESTS
+        lens = [per] * PREFILL_REQUESTS
+        starts = [r * per for r in range(PREFILL_REQUESTS)]
+        first = torch.randint(0, MAX_POS - per, (PREFILL_REQUESTS, 1))
+        positions = (first + torch.arange(per)).view(-1)
+        req = torch.arange(1, PREFILL_REQUESTS + 1).repeat_interleave(per)
+        slots = 1 + torch.randperm(capacity - 1)[:tokens]
+        state = torch.randn((PREFILL_REQUESTS + 1) * ring, 1024, device="cuda")
+        kv = torch.randn(tokens, 1024, device="cuda")
+        args = [t.int().cuda() for t in (positions, req, 2 * slots + (positions & 1))]
+        extend = [torch.tensor(v, dtype=torch.int32, device="cuda") for v in (starts, lens)]
+        us = bench.time_single(lambda: dsv4.c2_prefill_norm_rope_store(
+            kv, state, weight, *args, EPS, table, cache, *extend, page_size=PAGE, ring_size=ring, layout=layout))
+        nbytes = c2_prefill_bytes(layout, positions, starts, lens, ring)
+        results.append(row(bench, family="low_ratio", op="c2 prefill", case=f"{layout.str_name} prefill", n=tokens,
+                           us=us, nbytes=nbytes, baseline_us=flat_copy_single_us(bench, nbytes)))
+        del kv, state
+
+
 def run(bench: Bench, results, with_torch=True) -> None:
     table = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).cuda()
     weight = torch.randn(512, device="cuda").to(torch.bfloat16)
@@ -140,6 +179,7 @@ def run(bench: Bench, results, with_torch=True) -> None:
         _bench_c1(bench, results, layout, weight, table, with_torch)
         _bench_c2(bench, results, layout, weight, table, with_torch, draft_len=0)
         _bench_c2(bench, results, layout, weight, table, with_torch, draft_len=VERIFY_DRAFT)
+        _bench_c2_prefill(bench, results, layout, weight, table)
 
 
 def main():

@@ -56,7 +56,7 @@ void fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, double eps, Tensor fre
 void compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, double norm_eps, Tensor freqs,
                               Tensor out_loc, Tensor kvcache, int64_t page_size, int64_t compress_ratio,
                               bool is_decode, int64_t layout, bool use_fp4);
-// Ratio-1 and ratio-2 decode compressors (csrc/compress/low_ratio_ops.cpp)
+// Ratio-1 and ratio-2 compressors (csrc/compress/low_ratio_ops.cpp)
 Tensor c1_decode_norm_rope_store(Tensor kv_input, Tensor norm_weight, Tensor positions, Tensor out_loc,
                                  double eps, Tensor freqs_cis, Tensor k_cache, int64_t page_size,
                                  int64_t layout);
@@ -64,6 +64,10 @@ Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Ten
                                            Tensor req_pool_indices, Tensor raw_out_loc, double eps,
                                            Tensor freqs_cis, Tensor k_cache, int64_t page_size, int64_t ring_size,
                                            int64_t draft_len, int64_t layout);
+Tensor c2_prefill_norm_rope_store(Tensor kv_input, Tensor kv_state, Tensor norm_weight, Tensor positions,
+                                  Tensor req_pool_indices, Tensor raw_out_loc, double eps, Tensor freqs_cis,
+                                  Tensor k_cache, Tensor extend_starts, Tensor extend_lens, int64_t page_size,
+                                  int64_t ring_size, int64_t layout);
 // c4 / c128 planners and compressor (csrc/compress/plan_ops.cpp, forward_ops.cpp)
 Tensor plan_compress_decode(Tensor req_pool_indices, Tensor seq_lens, std::optional<Tensor> req_to_token,
                             std::optional<Tensor> full_to_swa, int64_t compress_ratio, int64_t swa_page_size,
@@ -127,12 +131,16 @@ STABLE_TORCH_LIBRARY(dsv4, m) {
   m.def("compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, float norm_eps, Tensor freqs, "
         "Tensor out_loc, Tensor(a!) kvcache, *, int page_size, int compress_ratio, bool is_decode, "
         "int layout=0, bool use_fp4=False) -> ()");
-  // ---- ratio-1 / ratio-2 decode compressors ----
+  // ---- ratio-1 / ratio-2 compressors ----
   m.def("c1_decode_norm_rope_store(Tensor kv_input, Tensor norm_weight, Tensor positions, Tensor out_loc, "
         "float eps, Tensor freqs_cis, Tensor(a!) k_cache, int page_size, int layout=0) -> Tensor");
   m.def("c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor(a!) kv_state, Tensor norm_weight, "
         "Tensor positions, Tensor req_pool_indices, Tensor raw_out_loc, float eps, Tensor freqs_cis, "
         "Tensor(b!) k_cache, int page_size, int ring_size, int draft_len=0, int layout=0) -> Tensor");
+  m.def("c2_prefill_norm_rope_store(Tensor kv_input, Tensor(a!) kv_state, Tensor norm_weight, "
+        "Tensor positions, Tensor req_pool_indices, Tensor raw_out_loc, float eps, Tensor freqs_cis, "
+        "Tensor(b!) k_cache, Tensor extend_starts, Tensor extend_lens, int page_size, int ring_size, "
+        "int layout=0) -> Tensor");
   // ---- c4 / c128 planners and compressor ----
   m.def("plan_compress_decode(Tensor req_pool_indices, Tensor seq_lens, Tensor? req_to_token, "
         "Tensor? full_to_swa, int compress_ratio, int swa_page_size, int ring_size, bool use_req_ring=False) "
@@ -176,6 +184,7 @@ STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
   m.impl("compress_norm_rope_store", TORCH_BOX(&dsv4::compress_norm_rope_store));                         \
   m.impl("c1_decode_norm_rope_store", TORCH_BOX(&dsv4::c1_decode_norm_rope_store));                       \
   m.impl("c2_decode_or_verify_norm_rope_store", TORCH_BOX(&dsv4::c2_decode_or_verify_norm_rope_store));   \
+  m.impl("c2_prefill_norm_rope_store", TORCH_BOX(&dsv4::c2_prefill_norm_rope_store));                     \
   m.impl("plan_compress_decode", TORCH_BOX(&dsv4::plan_compress_decode));                                 \
   m.impl("plan_compress_decode_out", TORCH_BOX(&dsv4::plan_compress_decode_out));                         \
   m.impl("plan_compress_prefill", TORCH_BOX(&dsv4::plan_compress_prefill));                               \

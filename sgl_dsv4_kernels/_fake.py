@@ -511,11 +511,7 @@ def _c1_decode_norm_rope_store(kv_input, norm_weight, positions, out_loc, eps, f
     return kv_input.new_empty((kv_input.size(0), _MAIN_DIM), dtype=torch.bfloat16)
 
 
-@_register("c2_decode_or_verify_norm_rope_store")
-def _c2_decode_or_verify_norm_rope_store(kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc,
-                                         eps, freqs_cis, k_cache, page_size, ring_size, draft_len=0, layout=0):
-    op = "c2_decode_or_verify_norm_rope_store"
-    _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, freqs_cis)
+def _check_c2_rows(op, kv_input, kv_state, positions, req_pool_indices, raw_out_loc, k_cache, ring_size):
     torch._check(kv_input.dtype == torch.float32, _msg(op, f"kv_input must be float32, got {kv_input.dtype}"))
     check_activation(op, "kv_input", kv_input, _PAIR_ROW_WIDTH, k_cache)
     torch._check(kv_state.dtype == torch.float32, _msg(op, f"kv_state must be float32, got {kv_state.dtype}"))
@@ -524,11 +520,32 @@ def _c2_decode_or_verify_norm_rope_store(kv_input, kv_state, norm_weight, positi
         check_index_vector(op, name, t, k_cache)
         _check_per_row(op, name, t, kv_input)
     torch._check(ring_size >= 1, _msg(op, f"ring_size must be >= 1, got {ring_size}"))
-    torch._check(draft_len >= 0, _msg(op, f"draft_len must be >= 0, got {draft_len}"))
     torch._check(kv_state.size(0) >= ring_size, _msg(op, f"kv_state must hold at least ring_size={ring_size} rows"))
+
+
+@_register("c2_decode_or_verify_norm_rope_store")
+def _c2_decode_or_verify_norm_rope_store(kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc,
+                                         eps, freqs_cis, k_cache, page_size, ring_size, draft_len=0, layout=0):
+    op = "c2_decode_or_verify_norm_rope_store"
+    _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, freqs_cis)
+    torch._check(draft_len >= 0, _msg(op, f"draft_len must be >= 0, got {draft_len}"))
+    _check_c2_rows(op, kv_input, kv_state, positions, req_pool_indices, raw_out_loc, k_cache, ring_size)
     if draft_len > 0:
         torch._check(ring_size > draft_len, _msg(
             op, f"ring_size must be wider than the draft length (ring_size={ring_size}, draft_len={draft_len})"))
         torch._check(kv_input.size(0) % draft_len == 0,
                      _msg(op, f"kv_input rows must be a multiple of draft_len={draft_len} in verify mode"))
+    return kv_input.new_empty((kv_input.size(0), _MAIN_DIM), dtype=torch.bfloat16)
+
+
+@_register("c2_prefill_norm_rope_store")
+def _c2_prefill_norm_rope_store(kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, eps,
+                                freqs_cis, k_cache, extend_starts, extend_lens, page_size, ring_size, layout=0):
+    op = "c2_prefill_norm_rope_store"
+    _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, freqs_cis)
+    _check_c2_rows(op, kv_input, kv_state, positions, req_pool_indices, raw_out_loc, k_cache, ring_size)
+    check_index_vector(op, "extend_starts", extend_starts, k_cache)
+    check_index_vector(op, "extend_lens", extend_lens, k_cache)
+    torch._check(extend_lens.size(0) == extend_starts.size(0),
+                 _msg(op, "extend_lens must have one entry per request (as many as extend_starts)"))
     return kv_input.new_empty((kv_input.size(0), _MAIN_DIM), dtype=torch.bfloat16)

@@ -17,6 +17,7 @@ __all__ = [
     "state_ring_size",
     "c1_decode_norm_rope_store",
     "c2_decode_or_verify_norm_rope_store",
+    "c2_prefill_norm_rope_store",
     "CompressPlan",
     "plan_compress_decode",
     "plan_compress_prefill",
@@ -60,8 +61,8 @@ def state_ring_size(ratio: int, verify_width: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# Ratio-1 and ratio-2 decode compressors (section 5): RMSNorm (+ pair pooling for c2), RoPE, quantized
-# store into the compressed main cache; each returns the fresh bf16 pre-RoPE latent [N, 512].
+# Ratio-1 and ratio-2 compressors (section 5): RMSNorm (+ pair pooling for c2), RoPE, quantized store into
+# the compressed main cache; each returns the fresh bf16 pre-RoPE latent [N, 512].
 
 
 def c1_decode_norm_rope_store(
@@ -120,6 +121,42 @@ def c2_decode_or_verify_norm_rope_store(
     return torch.ops.dsv4.c2_decode_or_verify_norm_rope_store(
         kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, float(eps),
         as_rope_table(freqs_cis), k_cache, page_size, int(ring_size), int(draft_len),
+        int(KVLayout.parse(layout)),
+    )
+
+
+def c2_prefill_norm_rope_store(
+    kv_input: torch.Tensor,
+    kv_state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    raw_out_loc: torch.Tensor,
+    eps: float,
+    freqs_cis: torch.Tensor,
+    k_cache: torch.Tensor,
+    extend_starts: torch.Tensor,
+    extend_lens: torch.Tensor,
+    *,
+    page_size: int,
+    ring_size: int,
+    layout: LayoutLike = KVLayout.V4,
+) -> torch.Tensor:
+    """Ratio-2 compressor over a chunked prefill (compressors.md §5.5); returns the bf16 latent ``[N, 512]``.
+
+    Request r owns input rows ``[extend_starts[r], extend_starts[r] + extend_lens[r])``, at consecutive positions.
+    Latents, cache bytes and the final ring rows equal those of running ``c2_decode_or_verify_norm_rope_store``
+    (decode) row by row in position order: a request's first row pools with the ring, later odd rows with the row
+    before, and each ring row ends up holding the newest even position of the chunk that maps to it (or its old
+    content). Arguments and skip rules as in the decode op. Padding (``raw_out_loc <= 0`` or ``p < 0``) is meant
+    for whole rows past the requests or whole requests: the partners follow the positions (an odd row pools with
+    the input row before it whenever that row is its request's previous position, as in verify), and only a
+    request's last ``lcm(2, ring_size)`` rows park their rows in the ring. Two launches on CUDA: the rows, then
+    the ring writes, so that every ring read comes first.
+    """
+    return torch.ops.dsv4.c2_prefill_norm_rope_store(
+        kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, float(eps),
+        as_rope_table(freqs_cis), k_cache, extend_starts, extend_lens, page_size, int(ring_size),
         int(KVLayout.parse(layout)),
     )
 

@@ -66,16 +66,16 @@ void c1_decode_cpu(KVLayout layout, const LowRatioParams& p) {
   }
 }
 
-void c2_decode_or_verify_cpu(KVLayout layout, const LowRatioParams& p) {
+namespace {
+
+// The rows of a c2 call that emit (odd positions): pooling with the partner that plan_of names, the latent and
+// the cache store. Reads the ring only; the callers write it afterwards, as the reference does. Valid batches
+// never read a ring row the call writes (§5.3, §5.5), so the order only pins down the result of invalid ones.
+template <class PlanOf>
+void c2_emit_rows(KVLayout layout, const LowRatioParams& p, PlanOf plan_of) {
   float w[kMainDim], own[kPairRowWidth], partner[kPairRowWidth], x[kMainDim], latent[kMainDim];
   load_weight(p, w);
   const RowInput state{p.state, p.state_row_stride, ElemType::FP32};
-  auto plan_of = [&](int64_t row) {
-    return plan_pair_row(row, p.positions[row], p.req_pool_indices[row], p.out_loc[row], p.ring,
-                         p.cache.capacity(), p.max_pos);
-  };
-  // Every ring read of the call happens before any ring write, as the reference does. Valid batches
-  // never read a row they write (§5.3), so this only pins down the result of invalid ones.
   for (int64_t row = 0; row < p.n; ++row) {
     const PairRowPlan plan = plan_of(row);
     if (!plan.emits) {
@@ -99,11 +99,42 @@ void c2_decode_or_verify_cpu(KVLayout layout, const LowRatioParams& p) {
     norm_to_latent(p, row, x, w, latent);
     if (plan.slot >= 0) store_latent(layout, p, latent, plan.slot, plan.rope_position);
   }
+}
+
+// Parks input row `row` in ring row `ring_row` (>= 0).
+void park_row(const LowRatioParams& p, int64_t row, int64_t ring_row) {
+  float own[kPairRowWidth];
+  load_row(p.kv, row, kPairRowWidth, own);
+  std::memcpy(p.state + ring_row * p.state_row_stride, own, sizeof(own));
+}
+
+}  // namespace
+
+void c2_decode_or_verify_cpu(KVLayout layout, const LowRatioParams& p) {
+  auto plan_of = [&](int64_t row) {
+    return plan_pair_row(row, p.positions[row], p.req_pool_indices[row], p.out_loc[row], p.ring,
+                         p.cache.capacity(), p.max_pos);
+  };
+  c2_emit_rows(layout, p, plan_of);
   for (int64_t row = 0; row < p.n; ++row) {
     const PairRowPlan plan = plan_of(row);
-    if (plan.ring_write < 0) continue;
-    load_row(p.kv, row, kPairRowWidth, own);
-    std::memcpy(p.state + plan.ring_write * p.state_row_stride, own, sizeof(own));
+    if (plan.ring_write >= 0) park_row(p, row, plan.ring_write);
+  }
+}
+
+void c2_prefill_cpu(KVLayout layout, const LowRatioParams& p, const C2PrefillRequests& q) {
+  c2_emit_rows(layout, p, [&](int64_t row) {
+    const int64_t position = p.positions[row], req = p.req_pool_indices[row];
+    auto continues = [&] { return continues_run(position, req, p.positions[row - 1], p.req_pool_indices[row - 1]); };
+    return plan_prefill_pair_row(row, position, req, p.out_loc[row], continues, p.ring, p.cache.capacity(),
+                                 p.max_pos);
+  });
+  for (int64_t r = 0; r < q.requests; ++r) {
+    const PrefillTail tail = prefill_tail(q.extend_starts[r], q.extend_lens[r], p.n, p.ring.ring);
+    for (int64_t row = tail.first; row < tail.end; ++row) {
+      const int64_t ring_row = parked_ring_row(p.positions[row], p.req_pool_indices[row], p.out_loc[row], p.ring);
+      if (ring_row >= 0) park_row(p, row, ring_row);
+    }
   }
 }
 

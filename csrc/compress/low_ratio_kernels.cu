@@ -1,5 +1,6 @@
-// CUDA kernels of the ratio-1 and ratio-2 decode compressors: one row per block of 128 threads, thread t
-// owns latent dims [4t, 4t+4) through the pooling (c2), the norm, RoPE and the quantizer.
+// CUDA kernels of the ratio-1 and ratio-2 compressors: one row per block of 128 threads, thread t owns latent
+// dims [4t, 4t+4) through the pooling (c2), the norm, RoPE and the quantizer; c2 prefill then parks its
+// requests' tail rows in the ring in a second launch.
 #include "low_ratio_launch.h"
 #include "dsv4/e2m1_pairs.cuh"
 #include "dsv4/launch.cuh"
@@ -188,6 +189,16 @@ __device__ __forceinline__ PairRowPlan plan_c2_row(const LowRatioParams& p, int6
   return plan_pair_row_wide(token, position, req, raw_out_loc, p.ring, p.cache.capacity(), p.max_pos);
 }
 
+// A c2 prefill row's plan (§5.5): an odd row's partner is the input row before when that row continues the run.
+__device__ __forceinline__ PairRowPlan plan_c2_prefill_row(const LowRatioParams& p, int64_t token) {
+  const int64_t position = p.positions[token], req = p.req_pool_indices[token];
+  auto continues = [&] {
+    return continues_run(position, req, p.positions[token - 1], p.req_pool_indices[token - 1]);
+  };
+  return plan_prefill_pair_row(token, position, req, p.out_loc[token], continues, p.ring, p.cache.capacity(),
+                               p.max_pos);
+}
+
 // c2: a single warp spent most of an emitting row issuing the 512 accurate exp + IEEE divisions of
 // pair_pool back to back; here each thread pools its 4 dims.
 // The row's (kv, score), the weight and the row's indices do not depend on each other, so their loads are
@@ -195,8 +206,9 @@ __device__ __forceinline__ PairRowPlan plan_c2_row(const LowRatioParams& p, int6
 // itself (the index loads of a warp hit one address; the arithmetic is a few dozen instructions): the
 // partner load then follows the index loads directly instead of waiting for one thread's plan and a block
 // barrier. The partner's pooling runs the four channels side by side (pair_pool_channels).
-template <KVLayout L>
-__global__ void __launch_bounds__(kRowThreads) c2_decode_or_verify_kernel(LowRatioParams p) {
+// kPrefill: the rows of c2_prefill_norm_rope_store, whose ring writes c2_prefill_park_kernel makes afterwards.
+template <KVLayout L, bool kPrefill>
+__global__ void __launch_bounds__(kRowThreads) c2_rows_kernel(LowRatioParams p) {
   __shared__ __align__(16) float group_partials[kMainDim / kNormGroup];
   const int64_t token = blockIdx.x;  // grid = n blocks
   const int dim = threadIdx.x * kThreadDims;
@@ -211,7 +223,9 @@ __global__ void __launch_bounds__(kRowThreads) c2_decode_or_verify_kernel(LowRat
   load_widen4<true>(row + kMainDim + dim, score);
   uint32_t weight_bits[kThreadDims];
   load_weight_bits<kThreadDims>(p, dim, weight_bits);
-  const PairRowPlan plan = plan_c2_row(p, token, p.positions[token], p.req_pool_indices[token], p.out_loc[token]);
+  const PairRowPlan plan = kPrefill ? plan_c2_prefill_row(p, token)
+                                    : plan_c2_row(p, token, p.positions[token], p.req_pool_indices[token],
+                                                  p.out_loc[token]);
 
   if (!plan.emits) {
     // Padding (p < 0) or an even row: a zero latent, and a live even row parks (kv, score).
@@ -253,6 +267,27 @@ __global__ void __launch_bounds__(kRowThreads) c2_decode_or_verify_kernel(LowRat
   norm_rope_store4<L>(p, token, dim, x, weight_bits, cs, plan.slot, group_partials);
 }
 
+// c2 prefill, second launch: block r parks the tail rows of request r (prefill_tail) in the ring, each thread its
+// 4 dims of kv and of score. It waits for the rows launch, whose ring reads must all come first.
+__global__ void __launch_bounds__(kRowThreads) c2_prefill_park_kernel(LowRatioParams p, C2PrefillRequests q) {
+  pdl_wait_dependencies();
+  const int64_t r = blockIdx.x;
+  const PrefillTail tail = prefill_tail(q.extend_starts[r], q.extend_lens[r], p.n, p.ring.ring);
+  const int dim = threadIdx.x * kThreadDims;
+  for (int64_t row = tail.first; row < tail.end; ++row) {  // block-uniform
+    const int64_t ring_row = parked_ring_row(p.positions[row], p.req_pool_indices[row], p.out_loc[row], p.ring);
+    if (ring_row < 0) continue;
+    const float* src = static_cast<const float*>(p.kv.data) + row * p.kv.row_stride;
+    float kv[4], score[4];
+    load_widen4<true>(src + dim, kv);
+    load_widen4<true>(src + kMainDim + dim, score);
+    float* dst = p.state + ring_row * p.state_row_stride;
+    store_f32<4>(dst + dim, kv);
+    store_f32<4>(dst + kMainDim + dim, score);
+  }
+  pdl_launch_dependents();
+}
+
 template <KVLayout L>
 void launch_c1(const LowRatioParams& p, cudaStream_t stream) {
   launch_kernel(c1_decode_kernel<L>, dim3(unsigned(p.n)), dim3(kRowThreads), 0, stream,
@@ -261,8 +296,17 @@ void launch_c1(const LowRatioParams& p, cudaStream_t stream) {
 
 template <KVLayout L>
 void launch_c2(const LowRatioParams& p, cudaStream_t stream) {
-  launch_kernel(c2_decode_or_verify_kernel<L>, dim3(unsigned(p.n)), dim3(kRowThreads), 0, stream,
+  launch_kernel(c2_rows_kernel<L, false>, dim3(unsigned(p.n)), dim3(kRowThreads), 0, stream,
                 "c2_decode_or_verify_norm_rope_store", p);
+}
+
+template <KVLayout L>
+void launch_c2_prefill(const LowRatioParams& p, const C2PrefillRequests& q, cudaStream_t stream) {
+  constexpr const char* op = "c2_prefill_norm_rope_store";
+  if (p.n > 0) launch_kernel(c2_rows_kernel<L, true>, dim3(unsigned(p.n)), dim3(kRowThreads), 0, stream, op, p);
+  if (q.requests > 0) {
+    launch_kernel(c2_prefill_park_kernel, dim3(unsigned(q.requests)), dim3(kRowThreads), 0, stream, op, p, q);
+  }
 }
 
 }  // namespace
@@ -280,6 +324,14 @@ void c2_decode_or_verify_cuda(KVLayout layout, const LowRatioParams& p, cudaStre
     case KVLayout::V4: launch_c2<KVLayout::V4>(p, stream); break;
     case KVLayout::V41: launch_c2<KVLayout::V41>(p, stream); break;
     case KVLayout::V41_FP4: launch_c2<KVLayout::V41_FP4>(p, stream); break;
+  }
+}
+
+void c2_prefill_cuda(KVLayout layout, const LowRatioParams& p, const C2PrefillRequests& q, cudaStream_t stream) {
+  switch (layout) {
+    case KVLayout::V4: launch_c2_prefill<KVLayout::V4>(p, q, stream); break;
+    case KVLayout::V41: launch_c2_prefill<KVLayout::V41>(p, q, stream); break;
+    case KVLayout::V41_FP4: launch_c2_prefill<KVLayout::V41_FP4>(p, q, stream); break;
   }
 }
 

@@ -1,5 +1,5 @@
-// Plain-C++ parameter block and entry points of the ratio-1 and ratio-2 decode compressors
-// (c1_decode_norm_rope_store, c2_decode_or_verify_norm_rope_store). No torch types: low_ratio_ops.cpp
+// Plain-C++ parameter block and entry points of the ratio-1 and ratio-2 compressors (c1_decode_norm_rope_store,
+// c2_decode_or_verify_norm_rope_store, c2_prefill_norm_rope_store). No torch types: low_ratio_ops.cpp
 // validates the tensors and fills the block; low_ratio_kernels.cu and low_ratio_cpu.cpp consume it.
 #pragma once
 
@@ -32,14 +32,24 @@ struct LowRatioParams {
   int64_t n;
 };
 
+// The requests of a c2 prefill (rows [extend_starts[r], extend_starts[r] + extend_lens[r])), apart from
+// LowRatioParams so that the decode kernels' parameter block stays as it was.
+struct C2PrefillRequests {
+  IndexInput extend_starts;  // [requests]
+  IndexInput extend_lens;    // [requests]
+  int64_t requests;
+};
+
 // CPU implementations (low_ratio_cpu.cpp).
 void c1_decode_cpu(KVLayout layout, const LowRatioParams& p);
 void c2_decode_or_verify_cpu(KVLayout layout, const LowRatioParams& p);
+void c2_prefill_cpu(KVLayout layout, const LowRatioParams& p, const C2PrefillRequests& q);
 
 #ifdef USE_CUDA
-// CUDA launchers (low_ratio_kernels.cu): one launch each.
+// CUDA launchers (low_ratio_kernels.cu): one launch each; c2 prefill two (the rows, then the ring writes).
 void c1_decode_cuda(KVLayout layout, const LowRatioParams& p, cudaStream_t stream);
 void c2_decode_or_verify_cuda(KVLayout layout, const LowRatioParams& p, cudaStream_t stream);
+void c2_prefill_cuda(KVLayout layout, const LowRatioParams& p, const C2PrefillRequests& q, cudaStream_t stream);
 #endif
 
 }  // namespace dsv4

@@ -1,6 +1,6 @@
-// Torch-facing glue of the ratio-1 and ratio-2 decode compressors (c1_decode_norm_rope_store,
-// c2_decode_or_verify_norm_rope_store): argument validation (the host half of the fakes in _fake.py),
-// allocation of the fresh latent and dispatch to the CPU implementation or the CUDA launcher.
+// Torch-facing glue of the ratio-1 and ratio-2 compressors (c1_decode_norm_rope_store,
+// c2_decode_or_verify_norm_rope_store, c2_prefill_norm_rope_store): argument validation (the host half of the
+// fakes in _fake.py), allocation of the fresh latent and dispatch to the CPU implementation or the CUDA launcher.
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
@@ -61,13 +61,12 @@ Tensor c1_decode_norm_rope_store(Tensor kv_input, Tensor norm_weight, Tensor pos
   return latent;
 }
 
-Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Tensor norm_weight, Tensor positions,
-                                           Tensor req_pool_indices, Tensor raw_out_loc, double eps,
-                                           Tensor freqs_cis, Tensor k_cache, int64_t page_size, int64_t ring_size,
-                                           int64_t draft_len, int64_t layout) {
-  constexpr const char* op = "c2_decode_or_verify_norm_rope_store";
-  LowRatioParams p{};
-  check_common(op, p, k_cache, page_size, layout, norm_weight, eps, freqs_cis);
+namespace {
+
+// Checks of the c2 ops' row inputs, pair-state ring and ring size; fills their fields (the latent excepted).
+void check_c2_rows(const char* op, LowRatioParams& p, const Tensor& kv_input, const Tensor& kv_state,
+                   const Tensor& positions, const Tensor& req_pool_indices, const Tensor& raw_out_loc,
+                   const Tensor& k_cache, int64_t ring_size, int64_t draft_len) {
   check_dtype(op, "kv_input", kv_input, ScalarType::Float);
   check_activation(op, "kv_input", kv_input, kPairRowWidth, k_cache);
   check_dtype(op, "kv_state", kv_state, ScalarType::Float);
@@ -80,19 +79,9 @@ Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Ten
   check_rows_input(op, "req_pool_indices", req_pool_indices, n);
   check_rows_input(op, "raw_out_loc", raw_out_loc, n);
   DSV4_CHECK(ring_size >= 1, op, "ring_size must be >= 1, got ", ring_size);
-  DSV4_CHECK(draft_len >= 0, op, "draft_len must be >= 0, got ", draft_len);
   const int64_t state_rows = kv_state.size(0);
   DSV4_CHECK(state_rows >= ring_size, op, "kv_state must hold at least ring_size=", ring_size,
              " rows, got ", state_rows);
-  if (draft_len > 0) {
-    DSV4_CHECK(ring_size > draft_len, op, "ring_size must be wider than the draft length (ring_size=",
-               ring_size, ", draft_len=", draft_len, ")");
-    DSV4_CHECK(n % draft_len == 0, op, "kv_input rows (", n, ") must be a multiple of draft_len=", draft_len,
-               " in verify mode (request-major blocks)");
-  }
-
-  Tensor latent = torch::stable::new_empty(kv_input, {n, kMainDim}, ScalarType::BFloat16);
-  if (n == 0) return latent;
   p.kv = row_input(kv_input);
   p.positions = index_input(positions);
   p.out_loc = index_input(raw_out_loc);
@@ -101,12 +90,58 @@ Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Ten
   p.state_row_stride = state_rows > 1 ? kv_state.stride(0) : kPairRowWidth;
   p.ring = make_pair_ring(ring_size, state_rows / ring_size, draft_len);
   p.ring32 = make_pair_ring32(p.ring, p.cache.capacity(), p.max_pos);
-  p.latent = static_cast<uint16_t*>(latent.data_ptr());
   p.n = n;
+}
+
+}  // namespace
+
+Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Tensor norm_weight, Tensor positions,
+                                           Tensor req_pool_indices, Tensor raw_out_loc, double eps,
+                                           Tensor freqs_cis, Tensor k_cache, int64_t page_size, int64_t ring_size,
+                                           int64_t draft_len, int64_t layout) {
+  constexpr const char* op = "c2_decode_or_verify_norm_rope_store";
+  LowRatioParams p{};
+  check_common(op, p, k_cache, page_size, layout, norm_weight, eps, freqs_cis);
+  DSV4_CHECK(draft_len >= 0, op, "draft_len must be >= 0, got ", draft_len);
+  check_c2_rows(op, p, kv_input, kv_state, positions, req_pool_indices, raw_out_loc, k_cache, ring_size, draft_len);
+  if (draft_len > 0) {
+    DSV4_CHECK(ring_size > draft_len, op, "ring_size must be wider than the draft length (ring_size=",
+               ring_size, ", draft_len=", draft_len, ")");
+    DSV4_CHECK(p.n % draft_len == 0, op, "kv_input rows (", p.n, ") must be a multiple of draft_len=", draft_len,
+               " in verify mode (request-major blocks)");
+  }
+
+  Tensor latent = torch::stable::new_empty(kv_input, {p.n, kMainDim}, ScalarType::BFloat16);
+  if (p.n == 0) return latent;
+  p.latent = static_cast<uint16_t*>(latent.data_ptr());
   const auto kv_layout = static_cast<KVLayout>(layout);
   run_on_device(
       op, k_cache, [&] { c2_decode_or_verify_cpu(kv_layout, p); },
       [&](auto stream) { c2_decode_or_verify_cuda(kv_layout, p, stream); });
+  return latent;
+}
+
+Tensor c2_prefill_norm_rope_store(Tensor kv_input, Tensor kv_state, Tensor norm_weight, Tensor positions,
+                                  Tensor req_pool_indices, Tensor raw_out_loc, double eps, Tensor freqs_cis,
+                                  Tensor k_cache, Tensor extend_starts, Tensor extend_lens, int64_t page_size,
+                                  int64_t ring_size, int64_t layout) {
+  constexpr const char* op = "c2_prefill_norm_rope_store";
+  LowRatioParams p{};
+  check_common(op, p, k_cache, page_size, layout, norm_weight, eps, freqs_cis);
+  check_c2_rows(op, p, kv_input, kv_state, positions, req_pool_indices, raw_out_loc, k_cache, ring_size, 0);
+  check_index_vector(op, "extend_starts", extend_starts, k_cache);
+  check_index_vector(op, "extend_lens", extend_lens, k_cache);
+  const C2PrefillRequests q{index_input(extend_starts), index_input(extend_lens), extend_starts.size(0)};
+  DSV4_CHECK(extend_lens.size(0) == q.requests, op, "extend_lens must have one entry per request (",
+             q.requests, " extend_starts), got ", extend_lens.size(0));
+
+  Tensor latent = torch::stable::new_empty(kv_input, {p.n, kMainDim}, ScalarType::BFloat16);
+  if (p.n == 0) return latent;
+  p.latent = static_cast<uint16_t*>(latent.data_ptr());
+  const auto kv_layout = static_cast<KVLayout>(layout);
+  run_on_device(
+      op, k_cache, [&] { c2_prefill_cpu(kv_layout, p, q); },
+      [&](auto stream) { c2_prefill_cuda(kv_layout, p, q, stream); });
   return latent;
 }
 

@@ -71,8 +71,11 @@ struct PairRowPlan {
   int64_t rope_position;  // p - 1
 };
 
-DSV4_HD PairRowPlan plan_pair_row(int64_t row, int64_t position, int64_t req, int64_t raw_out_loc,
-                                  const PairRing& ring, int64_t capacity, int64_t max_pos) {
+// A row's plan, where partner_input() names the input row holding an odd row's partner, or -1 for the ring
+// (called for odd rows only, so that even and padded rows skip its work).
+template <class PartnerInput>
+DSV4_HD PairRowPlan plan_pair_row_with(int64_t position, int64_t req, int64_t raw_out_loc, PartnerInput partner_input,
+                                       const PairRing& ring, int64_t capacity, int64_t max_pos) {
   PairRowPlan plan{false, false, -1, -1, -1, -1, -1};
   if (position < 0) return plan;
   plan.active = true;
@@ -84,11 +87,9 @@ DSV4_HD PairRowPlan plan_pair_row(int64_t row, int64_t position, int64_t req, in
     return plan;
   }
   plan.emits = true;
-  // In verify mode only a block's first row reads the ring: nothing orders a later row after its
-  // in-block partner's ring write, so it takes the partner from the input row before it.
-  const bool partner_in_block = ring.draft_len > 0 && row % ring.draft_len != 0;
-  if (partner_in_block) {
-    plan.partner_input = row - 1;
+  const int64_t input_row = partner_input();
+  if (input_row >= 0) {
+    plan.partner_input = input_row;
   } else {
     plan.partner_ring = pair_ring_row;
   }
@@ -96,6 +97,53 @@ DSV4_HD PairRowPlan plan_pair_row(int64_t row, int64_t position, int64_t req, in
   const int64_t slot = raw_out_loc >> 1;
   if (live && slot < capacity && position_in_table(plan.rope_position, max_pos)) plan.slot = slot;
   return plan;
+}
+
+// Decode and verify. In verify mode only a block's first row reads the ring: nothing orders a later row after its
+// in-block partner's ring write, so it takes the partner from the input row before it.
+DSV4_HD PairRowPlan plan_pair_row(int64_t row, int64_t position, int64_t req, int64_t raw_out_loc,
+                                  const PairRing& ring, int64_t capacity, int64_t max_pos) {
+  auto in_block = [&] { return ring.draft_len > 0 && row % ring.draft_len != 0 ? row - 1 : int64_t(-1); };
+  return plan_pair_row_with(position, req, raw_out_loc, in_block, ring, capacity, max_pos);
+}
+
+// The ring row an even, live row parks its (kv, score) in, or -1.
+DSV4_HD int64_t parked_ring_row(int64_t position, int64_t req, int64_t raw_out_loc, const PairRing& ring) {
+  return plan_pair_row_with(position, req, raw_out_loc, [] { return int64_t(-1); }, ring, 0, 0).ring_write;
+}
+
+// Prefill (compressors.md §5.5): an odd row whose input predecessor continues its run (continues(), see
+// continues_run) pools with that row; a run's first row pools with the ring. The ring writes are left to the
+// requests' tails (prefill_tail), after every ring read of the call.
+template <class Continues>
+DSV4_HD PairRowPlan plan_prefill_pair_row(int64_t row, int64_t position, int64_t req, int64_t raw_out_loc,
+                                          Continues continues, const PairRing& ring, int64_t capacity,
+                                          int64_t max_pos) {
+  auto predecessor = [&] { return row > 0 && continues() ? row - 1 : int64_t(-1); };
+  PairRowPlan plan = plan_pair_row_with(position, req, raw_out_loc, predecessor, ring, capacity, max_pos);
+  plan.ring_write = -1;
+  return plan;
+}
+
+// Whether a row at `position` of request `req` continues the run of the input row before it, at prev_position of
+// prev_req (a request's rows are contiguous, at consecutive positions).
+DSV4_HD bool continues_run(int64_t position, int64_t req, int64_t prev_position, int64_t prev_req) {
+  return position > 0 && prev_position == position - 1 && prev_req == req;
+}
+
+// Rows [first, end) of a prefill request that park their (kv, score): its last lcm(2, ring) rows. At consecutive
+// positions, their even positions fall on distinct ring rows and each is the newest of the request's positions on
+// its ring row, which is what running the decode op row by row leaves there. Empty for a request whose rows do not
+// lie within the n input rows.
+struct PrefillTail {
+  int64_t first, end;
+};
+
+DSV4_HD PrefillTail prefill_tail(int64_t start, int64_t len, int64_t n, int64_t ring) {
+  if (start < 0 || len < 0 || start > n || len > n - start) return PrefillTail{0, 0};
+  const int64_t period = ring % 2 == 0 ? ring : 2 * ring;
+  const int64_t end = start + len;
+  return PrefillTail{len > period ? end - period : start, end};
 }
 
 // plan_pair_row in 32-bit arithmetic, for rows whose position, req and raw_out_loc fit int32 (and row < 2^31):

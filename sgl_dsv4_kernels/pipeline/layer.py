@@ -9,7 +9,7 @@ speculative verify (``extend``) run eagerly and may plan on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -310,7 +310,7 @@ class KVLayer:
                                                layout=spec.compressed_layout), None
         if is_decode or draft_len > 0:
             return self._c2(rows.projection, positions, x.token_rids, raw_out_loc, draft_len), None
-        return self._c2_extend_in_blocks(batch, x, rows, meta), None
+        return self._c2_extend(batch, x, rows, meta), None
 
     def _c2(self, projection, positions, rids, raw_out_loc, draft_len) -> torch.Tensor:
         w = self.weights
@@ -319,31 +319,17 @@ class KVLayer:
             self.caches.compressed, page_size=self.spec.compressed_page_size, ring_size=self.ring,
             draft_len=draft_len, layout=self.spec.compressed_layout)
 
-    def _c2_extend_in_blocks(self, batch: StepBatch, x: StepInputs, rows: LayerRows,
-                             meta: StepMetadata) -> torch.Tensor:
-        """c2 has no prefill op yet (compressors.md §5.5, phase 2). A verify call over request-major blocks of
-        ``ring - 1`` consecutive positions equals that many successive decodes (§5.3, binding), so an extend
-        runs as ceil(max E / (ring - 1)) verify calls; a block's rows past its request's end get p = -1,
-        which reads and writes nothing (§5.3)."""
-        block = self.ring - 1
-        starts = [0]
-        for e in batch.extend_lens:
-            starts.append(starts[-1] + e)
-        latent = torch.zeros(x.num_tokens, HEAD_DIM, dtype=torch.bfloat16, device=self.device)
-        rounds = -(-max(batch.extend_lens) // block)
-        positions, raw = meta.page.positions_casual, meta.low_ratio.c1_out_loc
-        for k in range(rounds):
-            token: List[int] = []  # token row of each block row, -1 past the request's end
-            for start, e in zip(starts, batch.extend_lens):
-                if e > k * block:
-                    token += [start + t if t < e else -1 for t in range(k * block, (k + 1) * block)]
-            index = torch.tensor(token, dtype=torch.int64, device=self.device)
-            real = index >= 0
-            src = index.clamp_min(0)
-            out = self._c2(rows.projection[src], torch.where(real, positions[src], -1), x.token_rids[src],
-                           torch.where(real, raw[src], 0), block)
-            latent[index[real]] = out[real]
-        return latent
+    def _c2_extend(self, batch: StepBatch, x: StepInputs, rows: LayerRows, meta: StepMetadata) -> torch.Tensor:
+        """An extend step's c2 rows in one call (compressors.md §5.5): each request's rows are contiguous, at
+        consecutive positions."""
+        w = self.weights
+        lens = torch.tensor(batch.extend_lens, dtype=torch.int32)
+        starts = torch.cumsum(lens, 0, dtype=torch.int32) - lens
+        return C.c2_prefill_norm_rope_store(
+            rows.projection, self.caches.state, w.compress_norm, meta.page.positions_casual, x.token_rids,
+            meta.low_ratio.c1_out_loc, EPS, w.rope_table, self.caches.compressed, starts.to(self.device),
+            lens.to(self.device), page_size=self.spec.compressed_page_size, ring_size=self.ring,
+            layout=self.spec.compressed_layout)
 
 
 class DecodeGraph:

@@ -15,6 +15,6 @@ from .metadata import (  # noqa: F401  page tables, low-ratio / compression meta
     init_compression_metadata,
 )
 from .writers import *  # noqa: F401,F403  reference fused_k_norm_rope_flashmla, compress_norm_rope_store
-from .low_ratio import *  # noqa: F401,F403  reference c1 / c2 decode compressors
+from .low_ratio import *  # noqa: F401,F403  reference c1 / c2 compressors
 from .plans import *  # noqa: F401,F403  c4/c128 planners, unpack_plan
 from .compress import *  # noqa: F401,F403  c4/c128 compress_forward, fp64 ground truth

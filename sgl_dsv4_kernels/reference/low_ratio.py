@@ -1,6 +1,7 @@
-"""Reference ratio-1 and ratio-2 decode compressors (compressors.md sections 1.5, 1.6 and 5):
-`c1_decode_norm_rope_store` and `c2_decode_or_verify_norm_rope_store`, composed from the reference RMSNorm,
-RoPE tail, fake quantization and slot stores. In place on k_cache / kv_state; each returns a fresh bf16 latent.
+"""Reference ratio-1 and ratio-2 compressors (compressors.md sections 1.5, 1.6 and 5):
+`c1_decode_norm_rope_store`, `c2_decode_or_verify_norm_rope_store` and `c2_prefill_norm_rope_store`, composed
+from the reference RMSNorm, RoPE tail, fake quantization and slot stores. In place on k_cache / kv_state; each
+returns a fresh bf16 latent.
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from .norm_rope import rms_norm_fp32, rope_tail
 from .quant import _layout_id, fake_quant_compressed_kv, store_k_cache
 
-__all__ = ["c1_decode_norm_rope_store", "c2_decode_or_verify_norm_rope_store", "pair_pool"]
+__all__ = ["c1_decode_norm_rope_store", "c2_decode_or_verify_norm_rope_store", "c2_prefill_norm_rope_store",
+           "pair_pool"]
 
 _V41_FP4 = 2
 _D = 512  # latent width; a c2 projection row is kv [512] then score [512]
@@ -72,6 +74,52 @@ def c1_decode_norm_rope_store(kv_input, norm_weight, positions, out_loc, eps, fr
     return latent
 
 
+class _PairRows:
+    """A c2 call's rows as the reference reads them (sections 5.2-5.3): positions p, request slots req, raw slots
+    raw (int64), and the ring rows of their pairs."""
+
+    def __init__(self, kv_input, kv_state, positions, req_pool_indices, raw_out_loc, ring_size):
+        self.x = kv_input.to(torch.float32)
+        self.p = positions.to(torch.int64)
+        self.req = req_pool_indices.to(torch.int64)
+        self.raw = raw_out_loc.to(torch.int64)
+        self.ring_size = ring_size
+        self.row = torch.arange(self.p.shape[0], device=kv_input.device)
+        active = self.p >= 0
+        self.odd = active & ((self.p & 1) == 1)
+        self.even = active & ~self.odd
+        self.live = self.raw > 0
+        self.req_ok = (self.req >= 0) & (self.req < kv_state.shape[0] // ring_size)
+
+    def ring_row(self, pos):
+        """req * ring + pos % ring, or -1 where req is out of range."""
+        return torch.where(self.req_ok, self.req * self.ring_size + pos.clamp_min(0) % self.ring_size,
+                           torch.full_like(self.p, -1))
+
+    def emit(self, kv_state, norm_weight, eps, freqs_cis, k_cache, page_size, layout, from_input):
+        """Odd rows: pooled with the input row before where `from_input`, else with their ring row (or the pad
+        value kv 0 / score -inf when req is out of range); latent = bf16(RMSNorm(bf16(pooled))), stored at
+        raw >> 1 rotated at p - 1 when live. Other rows get a zero latent. Reads the ring, writes none of it."""
+        n = self.p.shape[0]
+        partner_ring = torch.where(self.odd & ~from_input, self.ring_row(self.p - 1), torch.full_like(self.p, -1))
+        from_ring = partner_ring >= 0
+        partner = torch.zeros(n, 2 * _D, dtype=torch.float32, device=self.x.device)
+        partner[:, _D:] = float("-inf")  # the pad value: kv 0, score -inf
+        partner[from_input] = self.x[(self.row - 1).clamp_min(0)][from_input]
+        partner[from_ring] = kv_state[partner_ring[from_ring]].to(torch.float32)
+        pooled = pair_pool(partner[:, :_D], partner[:, _D:], self.x[:, :_D], self.x[:, _D:])
+        latent = _latent(pooled.to(torch.bfloat16), norm_weight, eps)
+        latent = torch.where(self.odd.unsqueeze(-1), latent, torch.zeros_like(latent))
+        slots = torch.where(self.odd & self.live, self.raw >> 1, torch.full_like(self.p, -1))
+        _store_latents(k_cache, latent, slots, self.p - 1, freqs_cis, page_size, layout)
+        return latent
+
+    def park(self, kv_state, rows):
+        """Even live rows among `rows` (a mask) store their (kv, score) at their ring row."""
+        parked = rows & self.even & self.live & self.req_ok
+        kv_state[self.ring_row(self.p)[parked]] = self.x[parked].to(kv_state.dtype)
+
+
 def c2_decode_or_verify_norm_rope_store(kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc,
                                         eps, freqs_cis, k_cache, page_size, ring_size, draft_len=0,
                                         layout=0) -> torch.Tensor:
@@ -89,39 +137,33 @@ def c2_decode_or_verify_norm_rope_store(kv_input, kv_state, norm_weight, positio
         raise RuntimeError(f"{op}: ring_size must be >= 1 and draft_len >= 0")
     if draft_len > 0 and (ring_size <= draft_len or n % draft_len):
         raise RuntimeError(f"{op}: ring_size must be wider than the draft length and N a multiple of draft_len")
-    device = kv_input.device
-    x = kv_input.to(torch.float32)
-    p = positions.to(torch.int64)
-    req = req_pool_indices.to(torch.int64)
-    raw = raw_out_loc.to(torch.int64)
-    owners = kv_state.shape[0] // ring_size
-    active = p >= 0
-    odd = active & ((p & 1) == 1)
-    even = active & ~odd
-    live = raw > 0
-    req_ok = (req >= 0) & (req < owners)
-    none = torch.full_like(p, -1)
+    rows = _PairRows(kv_input, kv_state, positions, req_pool_indices, raw_out_loc, ring_size)
+    in_block = (rows.row % draft_len != 0) if draft_len > 0 else torch.zeros_like(rows.odd)
+    latent = rows.emit(kv_state, norm_weight, eps, freqs_cis, k_cache, page_size, layout, rows.odd & in_block)
+    rows.park(kv_state, torch.ones_like(rows.odd))
+    return latent
 
-    def ring_row(pos):
-        return torch.where(req_ok, req * ring_size + pos.clamp_min(0) % ring_size, none)
 
-    row = torch.arange(n, device=device)
-    in_block = (row % draft_len != 0) if draft_len > 0 else torch.zeros_like(active)
-    from_input = odd & in_block
-    partner_ring = torch.where(odd & ~in_block, ring_row(p - 1), none)
-    from_ring = partner_ring >= 0
-
-    partner = torch.zeros(n, 2 * _D, dtype=torch.float32, device=device)
-    partner[:, _D:] = float("-inf")  # the pad value: kv 0, score -inf
-    partner[from_input] = x[(row - 1).clamp_min(0)][from_input]
-    partner[from_ring] = kv_state[partner_ring[from_ring]].to(torch.float32)
-
-    pooled = pair_pool(partner[:, :_D], partner[:, _D:], x[:, :_D], x[:, _D:])
-    latent = _latent(pooled.to(torch.bfloat16), norm_weight, eps)
-    latent = torch.where(odd.unsqueeze(-1), latent, torch.zeros_like(latent))
-
-    slots = torch.where(odd & live, raw >> 1, none)
-    _store_latents(k_cache, latent, slots, p - 1, freqs_cis, page_size, layout)
-    parked = even & live & req_ok
-    kv_state[ring_row(p)[parked]] = x[parked].to(kv_state.dtype)
+def c2_prefill_norm_rope_store(kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, eps,
+                               freqs_cis, k_cache, extend_starts, extend_lens, page_size, ring_size,
+                               layout=0) -> torch.Tensor:
+    """Reference of dsv4::c2_prefill_norm_rope_store (section 5.5), by its rules: an odd row pools with the input
+    row before it when that row is the same request's previous position, else with the ring; then each request
+    r (rows [extend_starts[r], + extend_lens[r]) within the N rows) parks the even live rows among its last
+    lcm(2, ring) rows. At consecutive positions this is running the decode op row by row in position order."""
+    if ring_size < 1:
+        raise RuntimeError("reference.c2_prefill_norm_rope_store: ring_size must be >= 1")
+    rows = _PairRows(kv_input, kv_state, positions, req_pool_indices, raw_out_loc, ring_size)
+    prev_p = torch.cat([rows.p.new_full((1,), -2), rows.p[:-1]])
+    prev_req = torch.cat([rows.req.new_full((1,), -1), rows.req[:-1]])
+    continues = (rows.row > 0) & (rows.p > 0) & (prev_p == rows.p - 1) & (prev_req == rows.req)
+    latent = rows.emit(kv_state, norm_weight, eps, freqs_cis, k_cache, page_size, layout, rows.odd & continues)
+    n = rows.p.shape[0]
+    period = ring_size if ring_size % 2 == 0 else 2 * ring_size
+    tail = torch.zeros_like(rows.odd)
+    for start, length in zip(extend_starts.tolist(), extend_lens.tolist()):
+        if start < 0 or length < 0 or start + length > n:
+            continue
+        tail[max(start, start + length - period):start + length] = True
+    rows.park(kv_state, tail)
     return latent

@@ -4,7 +4,7 @@ compressor and compressed-cache store, the C4 indexer cache and the paged-MQA sc
 computes nothing through the extension.
 
 Where the driver takes a shortcut, the model follows the specs' definitions instead: c2 verify and extend
-are successive decode calls (compressors.md §5.3), and every plan is the literal per-token reference planner.
+are successive decode calls (compressors.md §5.3, §5.5), and every plan is the literal per-token reference planner.
 """
 from __future__ import annotations
 

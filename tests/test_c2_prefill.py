@@ -1,0 +1,206 @@
+"""Tests of c2_prefill_norm_rope_store (compressors.md §5.5): the binding contract (latents, cache bytes and final
+ring rows equal running the decode op row by row in position order) for rings 2 and 8 and an odd ring, mixed start
+parity and chunks longer than the ring, in every layout; the reference module; requests outside the rows;
+validation; opcheck, torch.compile and CUDA-graph replay.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sgl_dsv4_kernels as dsv4
+from sgl_dsv4_kernels import KVLayout
+from sgl_dsv4_kernels import reference as R
+
+from test_low_ratio import (DEVICES, EPS, INDEX_DTYPES, LATENT_TOL, LAYOUTS, C2Setup, assert_bits_equal, assert_same,
+                            bits, cuda_only, gen, idx, pair_rows)
+
+
+class Chunk:
+    """A prefill chunk: request r (request slot reqs[r]) owns rows [starts[r], starts[r] + lens[r]) at positions
+    first[r], first[r] + 1, ...; every row live with its own cache slot. `tail_pad` padded rows (p = -1) follow
+    the requests and belong to none."""
+
+    def __init__(self, setup: C2Setup, lens, seed: int, tail_pad: int = 0):
+        g = gen(seed)
+        self.lens = list(lens)
+        self.reqs = (1 + torch.randperm(setup.owners - 1, generator=g))[: len(lens)].tolist()
+        self.first = torch.randint(1, 300, (len(lens),), generator=g).tolist()  # mixed parity
+        cslots = (1 + torch.randperm(setup.capacity - 1, generator=g)).tolist()
+        self.starts, self.positions, self.req, self.raw = [], [], [], []
+        for r, length in enumerate(self.lens):
+            self.starts.append(len(self.positions))
+            for k in range(length):
+                p = self.first[r] + k
+                self.positions.append(p)
+                self.req.append(self.reqs[r])
+                self.raw.append(2 * cslots.pop() + (p & 1))
+        for _ in range(tail_pad):
+            self.positions.append(-1)
+            self.req.append(self.reqs[0])
+            self.raw.append(0)
+        self.x = pair_rows(len(self.positions), seed + 1)
+
+    def call(self, setup: C2Setup, idx_dtype, state=None, cache=None):
+        d = setup.device
+        return dsv4.c2_prefill_norm_rope_store(
+            self.x.to(d), setup.state if state is None else state, setup.weight, idx(self.positions, idx_dtype, d),
+            idx(self.req, idx_dtype, d), idx(self.raw, idx_dtype, d), EPS, setup.table,
+            setup.cache if cache is None else cache, idx(self.starts, torch.int32, d), idx(self.lens, torch.int32, d),
+            page_size=setup.page_size, ring_size=setup.ring, layout=setup.layout)
+
+    def decode_replay(self, setup: C2Setup, idx_dtype, state, cache):
+        """The contract: decode calls in position order, call k holding row k of every request that has one."""
+        d = setup.device
+        latent = torch.zeros(len(self.positions), 512, dtype=torch.bfloat16, device=d)
+        for k in range(max(self.lens, default=0)):
+            rows = [s + k for s, length in zip(self.starts, self.lens) if k < length]
+            sel = lambda v: idx([v[r] for r in rows], idx_dtype, d)  # noqa: E731
+            latent[rows] = setup.call(self.x[rows].to(d), sel(self.positions), sel(self.req), sel(self.raw), 0,
+                                      state, cache)
+        return latent
+
+
+def _lens(ring: int):
+    """One row, a run shorter than the ring, runs of exactly and past lcm(2, ring), and an empty request."""
+    period = ring if ring % 2 == 0 else 2 * ring
+    return [1, max(1, ring - 1), period, 3 * period + 1, 0, 2 * period + 3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ring", [2, 8, 5])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.str_name)
+def test_prefill_equals_successive_decodes(device, layout, ring):
+    idx_dtype = INDEX_DTYPES[(ring + int(layout)) % 2]
+    seed = 500 + 10 * ring + int(layout)
+    setup = C2Setup(layout, 64, ring=ring, owners=10, seed=seed, device=device)
+    chunk = Chunk(setup, _lens(ring), seed, tail_pad=3)
+    state_d, cache_d = setup.state.clone(), setup.cache.clone()
+    latent = chunk.call(setup, idx_dtype)
+    latent_d = chunk.decode_replay(setup, idx_dtype, state_d, cache_d)
+    assert_bits_equal(latent, latent_d, "latents")
+    assert_same(setup.state, state_d, "ring state")
+    assert_same(setup.cache, cache_d, "cache bytes")
+    # The chunk wrote ring rows: each request's newest even positions, the old rows elsewhere.
+    assert not torch.equal(setup.state.cpu(), C2Setup(layout, 64, ring, 10, seed, "cpu").state)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.str_name)
+def test_prefill_matches_reference(device, layout):
+    setup = C2Setup(layout, 128, ring=8, owners=8, seed=71, device=device)
+    chunk = Chunk(setup, [5, 19, 2, 8], 71, tail_pad=2)
+    ref_state, ref_cache = setup.state.cpu().clone(), setup.cache.cpu().clone()
+    latent = chunk.call(setup, torch.int64)
+    ref = R.c2_prefill_norm_rope_store(
+        chunk.x, ref_state, setup.weight.cpu(), torch.tensor(chunk.positions), torch.tensor(chunk.req),
+        torch.tensor(chunk.raw), EPS, setup.table.cpu(), ref_cache, torch.tensor(chunk.starts),
+        torch.tensor(chunk.lens), setup.page_size, setup.ring, int(layout))
+    torch.testing.assert_close(latent.cpu().float(), ref.float(), **LATENT_TOL)
+    assert_same(setup.state, ref_state, "ring state")
+    if device == "cpu":  # the CPU exp is the reference's correctly rounded one; on CUDA it may differ in a bit
+        assert_bits_equal(latent, ref, "CPU latent")
+        assert_same(setup.cache, ref_cache, "CPU cache bytes")
+    # Even rows and the padded rows past the requests return zeros; odd rows a latent.
+    for i, p in enumerate(chunk.positions):
+        assert bool(bits(latent[i].cpu()).any()) == (p >= 0 and p % 2 == 1), f"row {i} (p = {p})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_requests_outside_the_rows_park_nothing(device):
+    """Requests whose rows do not lie within the input are skipped by the ring writes; the rows still pool."""
+    setup = C2Setup(KVLayout.V41, 64, ring=4, owners=6, seed=90, device=device)
+    chunk = Chunk(setup, [6, 6], 90)
+    state0 = setup.state.clone()
+    n = len(chunk.positions)
+    d = setup.device
+    latent = dsv4.c2_prefill_norm_rope_store(
+        chunk.x.to(d), setup.state, setup.weight, idx(chunk.positions, torch.int32, d), idx(chunk.req, torch.int32, d),
+        idx(chunk.raw, torch.int32, d), EPS, setup.table, setup.cache, idx([-1, 6, n + 5], torch.int32, d),
+        idx([6, n, 2], torch.int32, d), page_size=64, ring_size=4, layout=KVLayout.V41)
+    assert_same(setup.state, state0, "ring state")
+    assert bits(latent.cpu()).any()
+
+
+def _args(device="cpu", **over):
+    setup = C2Setup(KVLayout.V41_FP4, 64, ring=8, owners=4, seed=5, device=device)
+    chunk = Chunk(setup, [3, 9], 5)
+    a = dict(kv_input=chunk.x.to(device), kv_state=setup.state, norm_weight=setup.weight,
+             positions=idx(chunk.positions, torch.int64, device), req_pool_indices=idx(chunk.req, torch.int64, device),
+             raw_out_loc=idx(chunk.raw, torch.int64, device), eps=EPS, freqs_cis=setup.table, k_cache=setup.cache,
+             extend_starts=idx(chunk.starts, torch.int32, device), extend_lens=idx(chunk.lens, torch.int32, device),
+             page_size=64, ring_size=8, layout=int(KVLayout.V41_FP4))
+    a.update(over)
+    return a
+
+
+NAMES = ("kv_input", "kv_state", "norm_weight", "positions", "req_pool_indices", "raw_out_loc", "eps", "freqs_cis",
+         "k_cache", "extend_starts", "extend_lens", "page_size", "ring_size", "layout")
+
+
+def _op(a):
+    return torch.ops.dsv4.c2_prefill_norm_rope_store(*(a[k] for k in NAMES))
+
+
+BAD = [
+    ("kv_input", lambda a: a.update(kv_input=a["kv_input"].bfloat16()), "kv_input must be float32"),
+    ("kv_state", lambda a: a.update(kv_state=a["kv_state"][:5]), "kv_state must hold at least ring_size=8 rows"),
+    ("positions", lambda a: a.update(positions=a["positions"][1:]), "positions must have"),
+    ("ring_size", lambda a: a.update(ring_size=0), "ring_size must be >= 1"),
+    ("extend_starts", lambda a: a.update(extend_starts=a["extend_starts"].float()), "int32 or int64"),
+    ("extend_lens", lambda a: a.update(extend_lens=a["extend_lens"][:1]), "one entry per request"),
+    ("extend_lens", lambda a: a.update(extend_lens=a["extend_lens"].view(1, 2)), "extend_lens must be 1-D"),
+    ("layout", lambda a: a.update(layout=3), "layout must be a KVLayout id"),
+]
+
+
+@pytest.mark.parametrize("arg,mutate,message", BAD, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(BAD)])
+def test_validation(arg, mutate, message):
+    a = _args()
+    mutate(a)
+    with pytest.raises(RuntimeError, match=f"dsv4.c2_prefill_norm_rope_store: .*{arg}") as info:
+        _op(a)
+    assert message in str(info.value)
+
+
+def test_empty_chunk():
+    a = _args()
+    for k in ("kv_input", "positions", "req_pool_indices", "raw_out_loc", "extend_starts", "extend_lens"):
+        a[k] = a[k][:0]
+    assert _op(a).shape == (0, 512)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_compile(device):
+    torch.library.opcheck(torch.ops.dsv4.c2_prefill_norm_rope_store.default, tuple(_args(device)[k] for k in NAMES))
+    torch._dynamo.reset()
+    a, b = _args(device), _args(device)
+    compiled = torch.compile(lambda *args: torch.ops.dsv4.c2_prefill_norm_rope_store(*args), fullgraph=True)
+    got, want = compiled(*(a[k] for k in NAMES)), _op(b)
+    assert_bits_equal(got, want, "latent")
+    assert_same(a["kv_state"], b["kv_state"], "ring state")
+    assert_same(a["k_cache"], b["k_cache"], "cache")
+
+
+@cuda_only
+def test_cuda_graph_replay_matches_eager():
+    a = _args("cuda")
+    base = a["positions"].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _op(dict(a, kv_state=a["kv_state"].clone(), k_cache=a["k_cache"].clone()))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _op(a)
+    for r in range(4):
+        a["kv_input"].copy_(pair_rows(a["kv_input"].shape[0], 700 + r).cuda())
+        a["positions"].copy_(base + 5 * r)  # start parity flips
+        snap = {k: a[k].clone() for k in ("kv_state", "k_cache")}
+        graph.replay()
+        want = _op(dict(a, **snap))
+        assert_bits_equal(out, want, f"replay {r}: latent")
+        assert_same(a["kv_state"], snap["kv_state"], f"replay {r}: ring state")
+        assert_same(a["k_cache"], snap["k_cache"], f"replay {r}: cache")
