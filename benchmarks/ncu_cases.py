@@ -6,10 +6,10 @@
 
 CASE: kwriter / kwriter_fp4 / kwriter_v4 (V41 / V41_FP4 / V4, 2^20 tokens), compress_v4 / indexer_fp8 / indexer_fp4
 (compress writer, 2^20 decode-plan rows), compress_v4_prefill (the same as a prefill plan, 2^16 rows),
-c1 / c2 (V41, 64 rows, c2 all emitting), c4 / c128 (decode, 64 requests), c128e (c128 decode, 64 requests of
-which the first alone closes a chunk), c4p / c4p128 / c128p (prefill of 65536 tokens from scratch; c4p128 with
-head_dim 128), plan (plan_compress_prefill, c4 paged, 64 requests x 4 drafts), plan128 (the same for c128 with
-request rings);
+c1 / c2 (V41, 64 rows, c2 all emitting), c2p (c2 prefill, V41, 65536 tokens in 8 requests), c4 / c128 (decode,
+64 requests), c128e (c128 decode, 64 requests of which the first alone closes a chunk), c4p / c4p128 / c128p
+(prefill of 65536 tokens from scratch; c4p128 with head_dim 128), plan (plan_compress_prefill, c4 paged, 64
+requests x 4 drafts), plan128 (the same for c128 with request rings);
 SIZE replaces the row / request count.
 Two warm-up calls precede the profiled one.
 """
@@ -46,6 +46,22 @@ def low(op, n):
     return lambda: dsv4.c2_decode_or_verify_norm_rope_store(
         a["kv"], a["state"], a["weight"], a["positions"], a["req"], a["raw"], 1e-6, a["table"], cache,
         page_size=64, ring_size=a["ring"], draft_len=0, layout=layout)
+
+
+def c2_prefill(tokens, requests=8):
+    layout, ring, per = KVLayout.V41, dsv4.state_ring_size(2, 0), tokens // requests
+    cache = lr._cache(layout)
+    w = torch.randn(512, device="cuda").to(torch.bfloat16)
+    positions = (torch.randint(0, 65536 - per, (requests, 1)) + torch.arange(per)).view(-1)
+    req = torch.arange(1, requests + 1).repeat_interleave(per)
+    slots = 1 + torch.randperm(cache.shape[0] * lr.PAGE - 1)[: per * requests]
+    args = [t.int().cuda() for t in (positions, req, 2 * slots + (positions & 1))]
+    starts = list(range(0, per * requests, per))
+    extend = [torch.tensor(v, dtype=torch.int32, device="cuda") for v in (starts, [per] * requests)]
+    state = torch.randn((requests + 1) * ring, 1024, device="cuda")
+    kv = torch.randn(per * requests, 1024, device="cuda")
+    return lambda: dsv4.c2_prefill_norm_rope_store(kv, state, w, *args, 1e-6, table, cache, *extend, page_size=64,
+                                                   ring_size=ring, layout=layout)
 
 
 def compress(ratio, bs, one_emitting=False):
@@ -100,6 +116,7 @@ fn = {
     "indexer_fp4": lambda: writer("compress", IndexerFormat.FP4, size or 1 << 20),
     "c1": lambda: low("c1", size or 64),
     "c2": lambda: low("c2", size or 64),
+    "c2p": lambda: c2_prefill(size or 65536),
     "c4": lambda: compress(4, size or 64),
     "c128": lambda: compress(128, size or 64),
     "c128e": lambda: compress(128, size or 64, one_emitting=True),
