@@ -112,6 +112,12 @@ DSV4_HD int64_t parked_ring_row(int64_t position, int64_t req, int64_t raw_out_l
   return plan_pair_row_with(position, req, raw_out_loc, [] { return int64_t(-1); }, ring, 0, 0).ring_write;
 }
 
+// Whether a row at `position` of request `req` continues the run of the input row before it, at prev_position of
+// prev_req (a request's rows are contiguous, at consecutive positions).
+DSV4_HD bool continues_run(int64_t position, int64_t req, int64_t prev_position, int64_t prev_req) {
+  return position > 0 && prev_position == position - 1 && prev_req == req;
+}
+
 // Prefill (compressors.md §5.5): an odd row whose input predecessor continues its run (continues(), see
 // continues_run) pools with that row; a run's first row pools with the ring. The ring writes are left to the
 // requests' tails (prefill_tail), after every ring read of the call.
@@ -123,12 +129,6 @@ DSV4_HD PairRowPlan plan_prefill_pair_row(int64_t row, int64_t position, int64_t
   PairRowPlan plan = plan_pair_row_with(position, req, raw_out_loc, predecessor, ring, capacity, max_pos);
   plan.ring_write = -1;
   return plan;
-}
-
-// Whether a row at `position` of request `req` continues the run of the input row before it, at prev_position of
-// prev_req (a request's rows are contiguous, at consecutive positions).
-DSV4_HD bool continues_run(int64_t position, int64_t req, int64_t prev_position, int64_t prev_req) {
-  return position > 0 && prev_position == position - 1 && prev_req == req;
 }
 
 // Rows [first, end) of a prefill request that park their (kv, score): its last lcm(2, ring) rows. At consecutive
