@@ -13,7 +13,7 @@ from sgl_dsv4_kernels import KVLayout
 from sgl_dsv4_kernels import reference as R
 
 from test_low_ratio import (DEVICES, EPS, INDEX_DTYPES, LATENT_TOL, LAYOUTS, C2Setup, assert_bits_equal, assert_same,
-                            bits, cuda_only, gen, idx, pair_rows)
+                            bits, capture_c2, cuda_only, gen, idx, pair_rows)
 
 
 class Chunk:
@@ -186,15 +186,7 @@ def test_opcheck_and_compile(device):
 def test_cuda_graph_replay_matches_eager():
     a = _args("cuda")
     base = a["positions"].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _op(dict(a, kv_state=a["kv_state"].clone(), k_cache=a["k_cache"].clone()))
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _op(a)
+    graph, out = capture_c2(_op, a)
     for r in range(4):
         a["kv_input"].copy_(pair_rows(a["kv_input"].shape[0], 700 + r).cuda())
         a["positions"].copy_(base + 5 * r)  # start parity flips

@@ -932,19 +932,26 @@ def test_cuda_graph_replay_matches_eager():
         assert_same(c1_cache, e1["k_cache"], f"replay {i}: c1 cache")
 
 
-@cuda_only
-def test_cuda_graph_verify_replay_matches_eager():
-    a = c2_args("cuda", draft_len=5, bs=4, ring=8)
-    base_positions = a["positions"].clone()
+def capture_c2(op, a):
+    """op(a) captured in a CUDA graph, after a warm-up on a side stream that works on copies of the ring and the
+    cache (so that it leaves them as they were). Returns (graph, output)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        c2_op(dict(a, kv_state=a["kv_state"].clone(), k_cache=a["k_cache"].clone()))
+        op(dict(a, kv_state=a["kv_state"].clone(), k_cache=a["k_cache"].clone()))
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = c2_op(a)
+        out = op(a)
+    return graph, out
+
+
+@cuda_only
+def test_cuda_graph_verify_replay_matches_eager():
+    a = c2_args("cuda", draft_len=5, bs=4, ring=8)
+    base_positions = a["positions"].clone()
+    graph, out = capture_c2(c2_op, a)
     for r in range(5):
         a["kv_input"].copy_(pair_rows(a["kv_input"].shape[0], 900 + r).cuda())
         a["positions"].copy_(base_positions + 3 * r)
