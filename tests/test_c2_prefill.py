@@ -12,8 +12,9 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout
 from sgl_dsv4_kernels import reference as R
 
-from test_low_ratio import (DEVICES, EPS, INDEX_DTYPES, LATENT_TOL, LAYOUTS, C2Setup, assert_bits_equal, assert_same,
-                            bits, capture_c2, cuda_only, gen, idx, pair_rows)
+from test_low_ratio import (DEVICES, EPS, INDEX_DTYPES, LATENT_TOL, LAYOUTS, C2Setup, _assert_no_pool_copy,
+                            _generated_code, assert_bits_equal, assert_same, bits, capture_c2, cuda_only, gen, idx,
+                            pair_rows)
 
 
 class Chunk:
@@ -171,12 +172,22 @@ def test_empty_chunk():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_and_compile(device):
+@pytest.mark.parametrize("pools", ["base", "slice"])
+def test_opcheck_and_compile(device, pools):
+    """opcheck, then torch.compile(fullgraph=True) equal to eager with no copy of the ring or the cache, for pools
+    passed whole and as dim-0 slices of larger buffers."""
     torch.library.opcheck(torch.ops.dsv4.c2_prefill_norm_rope_store.default, tuple(_args(device)[k] for k in NAMES))
     torch._dynamo.reset()
     a, b = _args(device), _args(device)
+    if pools == "slice":
+        for k in ("kv_state", "k_cache"):
+            big = torch.zeros((a[k].shape[0] + 2,) + tuple(a[k].shape[1:]), dtype=a[k].dtype, device=device)
+            big[1:-1] = a[k]
+            a[k] = big[1:-1]
     compiled = torch.compile(lambda *args: torch.ops.dsv4.c2_prefill_norm_rope_store(*args), fullgraph=True)
-    got, want = compiled(*(a[k] for k in NAMES)), _op(b)
+    got, code = _generated_code(compiled, *(a[k] for k in NAMES))
+    _assert_no_pool_copy(code)
+    want = _op(b)
     assert_bits_equal(got, want, "latent")
     assert_same(a["kv_state"], b["kv_state"], "ring state")
     assert_same(a["k_cache"], b["k_cache"], "cache")
