@@ -38,7 +38,8 @@ def markdown_table(rows, bench, empty_us):
         f"**{bench.copy_gbps:.0f} GB/s** (bytes read + written); empty kernel under graph replay: "
         f"**{empty_us:.2f} us**.",
         "Decode sizes: median per-call time of many calls replayed from one CUDA graph. Large sizes: median",
-        "of single calls with the L2 flushed in between. `torch` = idiomatic torch compiled with",
+        "of single calls with the L2 flushed in between (a read of 256 MB, which leaves no dirty line for the timed",
+        "call to write back). `torch` = idiomatic torch compiled with",
         "torch.compile(dynamic=True). `% base` = our GB/s over a plain gather/scatter copy of the same rows and",
         "slots (torch index_select / index_copy_). For the pipeline family, `% base` = the sum of the decode step's",
         "ops timed standalone over the whole step's time (>= 67 % meets the 1.5x target). For the low_ratio family's",
@@ -46,7 +47,7 @@ def markdown_table(rows, bench, empty_us):
         "`% base` = our GB/s over one device copy of the same number of bytes under the same graph replay (the",
         "ceiling at that size, launch latency included). For the writers at large N (consecutive slots, prefill",
         "plans), c2 prefill and the compressor prefills, `% base` = our GB/s over one device copy of the same bytes",
-        "timed the same way (single calls, the L2 flushed by a write in between): the ceiling at that size.",
+        "timed the same way (single calls, the L2 flushed by a read in between): the ceiling at that size.",
         "",
         "| family | op | case | N | us | MB moved | GB/s | % copy | torch us | speed-up | % base | target |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
