@@ -20,13 +20,16 @@ from test_low_ratio import (DEVICES, EPS, INDEX_DTYPES, LATENT_TOL, LAYOUTS, C2S
 class Chunk:
     """A prefill chunk: request r (request slot reqs[r]) owns rows [starts[r], starts[r] + lens[r]) at positions
     first[r], first[r] + 1, ...; every row live with its own cache slot. `tail_pad` padded rows (p = -1) follow
-    the requests and belong to none."""
+    the requests and belong to none. far: the last request's positions lie beyond int32 (int64 indices only; the
+    CUDA kernel plans such rows in 64 bits, the others in 32)."""
 
-    def __init__(self, setup: C2Setup, lens, seed: int, tail_pad: int = 0):
+    def __init__(self, setup: C2Setup, lens, seed: int, tail_pad: int = 0, far: bool = False):
         g = gen(seed)
         self.lens = list(lens)
         self.reqs = (1 + torch.randperm(setup.owners - 1, generator=g))[: len(lens)].tolist()
         self.first = torch.randint(1, 300, (len(lens),), generator=g).tolist()  # mixed parity
+        if far:
+            self.first[-1] += 2**33
         cslots = (1 + torch.randperm(setup.capacity - 1, generator=g)).tolist()
         self.starts, self.positions, self.req, self.raw = [], [], [], []
         for r, length in enumerate(self.lens):
@@ -75,7 +78,7 @@ def test_prefill_equals_successive_decodes(device, layout, ring):
     idx_dtype = INDEX_DTYPES[(ring + int(layout)) % 2]
     seed = 500 + 10 * ring + int(layout)
     setup = C2Setup(layout, 64, ring=ring, owners=10, seed=seed, device=device)
-    chunk = Chunk(setup, _lens(ring), seed, tail_pad=3)
+    chunk = Chunk(setup, _lens(ring), seed, tail_pad=3, far=idx_dtype == torch.int64)
     state_d, cache_d = setup.state.clone(), setup.cache.clone()
     latent = chunk.call(setup, idx_dtype)
     latent_d = chunk.decode_replay(setup, idx_dtype, state_d, cache_d)

@@ -189,14 +189,32 @@ __device__ __forceinline__ PairRowPlan plan_c2_row(const LowRatioParams& p, int6
   return plan_pair_row_wide(token, position, req, raw_out_loc, p.ring, p.cache.capacity(), p.max_pos);
 }
 
+// Whether prefill row `token` (> 0) continues the run of the input row before it.
+__device__ __forceinline__ bool c2_prefill_continues(const LowRatioParams& p, int64_t token, int64_t position,
+                                                     int64_t req) {
+  return continues_run(position, req, p.positions[token - 1], p.req_pool_indices[token - 1]);
+}
+
+// The 64-bit prefill plan, out of line as plan_pair_row_wide (by value: a reference to the parameters would
+// copy them to local memory in every thread).
+__device__ __noinline__ PairRowPlan plan_c2_prefill_row_wide(int64_t token, int64_t position, int64_t req,
+                                                             int64_t raw_out_loc, bool continues, PairRing ring,
+                                                             int64_t capacity, int64_t max_pos) {
+  return plan_prefill_pair_row(token, position, req, raw_out_loc, [=] { return continues; }, ring, capacity, max_pos);
+}
+
 // A c2 prefill row's plan (§5.5): an odd row's partner is the input row before when that row continues the run.
+// 32-bit where it applies, as plan_c2_row (token < 2^31: the grid has one block per row).
 __device__ __forceinline__ PairRowPlan plan_c2_prefill_row(const LowRatioParams& p, int64_t token) {
-  const int64_t position = p.positions[token], req = p.req_pool_indices[token];
-  auto continues = [&] {
-    return continues_run(position, req, p.positions[token - 1], p.req_pool_indices[token - 1]);
-  };
-  return plan_prefill_pair_row(token, position, req, p.out_loc[token], continues, p.ring, p.cache.capacity(),
-                               p.max_pos);
+  const int64_t position = p.positions[token], req = p.req_pool_indices[token], raw_out_loc = p.out_loc[token];
+  if (p.ring32.usable && fits_int32(position) && fits_int32(req) && fits_int32(raw_out_loc)) {
+    auto continues = [&] { return c2_prefill_continues(p, token, position, req); };
+    return p.ring32.plan_prefill_row(int32_t(token), int32_t(position), int32_t(req), int32_t(raw_out_loc),
+                                     continues);
+  }
+  return plan_c2_prefill_row_wide(token, position, req, raw_out_loc,
+                                  token > 0 && c2_prefill_continues(p, token, position, req), p.ring,
+                                  p.cache.capacity(), p.max_pos);
 }
 
 // c2: a single warp spent most of an emitting row issuing the 512 accurate exp + IEEE divisions of

@@ -146,10 +146,11 @@ DSV4_HD PrefillTail prefill_tail(int64_t start, int64_t len, int64_t n, int64_t 
   return PrefillTail{len > period ? end - period : start, end};
 }
 
-// plan_pair_row in 32-bit arithmetic, for rows whose position, req and raw_out_loc fit int32 (and row < 2^31):
-// a multiply-high remainder, 32-bit products and compares and a divisibility test instead of 64-bit ones.
-// The 64-bit plan is about a hundred dependent instructions between a c2 row's index loads and its partner
-// load (H200, 256 rows under graph replay: decode 3.16-3.23 -> 3.01-3.07 us, verify 3.09-3.17 -> 2.87-2.94).
+// plan_pair_row and plan_prefill_pair_row in 32-bit arithmetic, for rows whose position, req and raw_out_loc fit
+// int32 (and row < 2^31): a multiply-high remainder, 32-bit products and compares and a divisibility test instead
+// of 64-bit ones. The 64-bit plan is about a hundred dependent instructions between a c2 row's index loads and its
+// partner load (H200, 256 rows under graph replay: decode 3.16-3.23 -> 3.01-3.07 us, verify 3.09-3.17 ->
+// 2.87-2.94; prefill, 65536 tokens: 132.7-133.3 -> 127.5-128.0 us).
 // Built by make_pair_ring32; `usable` when every ring row fits int32 (ring and owners * ring below 2^31).
 struct PairRing32 {
   bool usable;
@@ -160,7 +161,11 @@ struct PairRing32 {
   int32_t capacity;         // min(capacity, 2^31 - 1): the same answers for slots below 2^30
   int32_t max_pos;          // min(max_pos, 2^31 - 1): the same answers for RoPE positions below 2^31 - 1
 
-  DSV4_HD PairRowPlan plan_row(int32_t row, int32_t position, int32_t req, int32_t raw_out_loc) const {
+  // plan_pair_row_with in 32 bits: an odd row's partner is input row row - 1 when pairs_with_previous_row(),
+  // else the ring row.
+  template <class PairsWithPreviousRow>
+  DSV4_HD PairRowPlan plan_row_with(int32_t row, int32_t position, int32_t req, int32_t raw_out_loc,
+                                    PairsWithPreviousRow pairs_with_previous_row) const {
     PairRowPlan plan{false, false, -1, -1, -1, -1, -1};
     if (position < 0) return plan;
     plan.active = true;
@@ -173,7 +178,7 @@ struct PairRing32 {
       return plan;
     }
     plan.emits = true;
-    if (verify && !draft.divides(uint32_t(row))) {
+    if (pairs_with_previous_row()) {
       plan.partner_input = row - 1;
     } else {
       plan.partner_ring = pair_ring_row;
@@ -181,6 +186,20 @@ struct PairRing32 {
     plan.rope_position = position - 1;  // >= 0: position is odd
     const int32_t slot = raw_out_loc >> 1;
     if (live && slot < capacity && plan.rope_position < max_pos) plan.slot = slot;
+    return plan;
+  }
+
+  // plan_pair_row (decode and verify).
+  DSV4_HD PairRowPlan plan_row(int32_t row, int32_t position, int32_t req, int32_t raw_out_loc) const {
+    return plan_row_with(row, position, req, raw_out_loc, [&] { return verify && !draft.divides(uint32_t(row)); });
+  }
+
+  // plan_prefill_pair_row, given whether the input row before continues the run (asked for rows > 0 only).
+  template <class Continues>
+  DSV4_HD PairRowPlan plan_prefill_row(int32_t row, int32_t position, int32_t req, int32_t raw_out_loc,
+                                       Continues continues) const {
+    PairRowPlan plan = plan_row_with(row, position, req, raw_out_loc, [&] { return row > 0 && continues(); });
+    plan.ring_write = -1;
     return plan;
   }
 };
