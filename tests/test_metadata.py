@@ -5,16 +5,11 @@ no host sync, streams, compute-sanitizer and DeepGEMM parity.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 import sgl_dsv4_kernels as dk
+from sanitizer import assert_memcheck_clean
 from sgl_dsv4_kernels import reference as ref
 
 ops = torch.ops.dsv4
@@ -1141,15 +1136,6 @@ def test_rejects_mixed_devices(device_pair):
 # ---------------------------------------------------------------------------------------------
 # §9.10 compute-sanitizer memcheck on hostile inputs, one subprocess per case.
 
-_SANITIZER_PRELUDE = """
-import torch
-import sgl_dsv4_kernels as dk
-ops = torch.ops.dsv4
-d = "cuda"
-big = [-(2**31), -(2**31) + 1, -257, -256, -1, 0, 1, 255, 256, 2**31 - 1]
-huge64 = [-(2**62), -(2**33), -1, 0, 2**33, 2**40, 2**62]
-"""
-
 SANITIZER_CASES = {
     "page_table": """
 req_to_token = torch.tensor([[-(2**31), 2**31 - 1, -1, 5] * 64] * 3, dtype=torch.int32, device=d)
@@ -1194,28 +1180,10 @@ for batch in (0, 1, 64, 65, 2048, 2049, 4097, 65536):
 }
 
 
-def _sanitizer():
-    for candidate in (shutil.which("compute-sanitizer"), "/usr/local/cuda/bin/compute-sanitizer"):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    return None
-
-
 @cuda_test
 @pytest.mark.parametrize("case", sorted(SANITIZER_CASES))
 def test_compute_sanitizer_memcheck(case):
-    sanitizer = _sanitizer()
-    if sanitizer is None:
-        pytest.skip("compute-sanitizer not found")
-    script = textwrap.dedent(_SANITIZER_PRELUDE + SANITIZER_CASES[case]) + "\ntorch.cuda.synchronize()\n"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", script],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr
+    assert_memcheck_clean(SANITIZER_CASES[case])
 
 
 # ---------------------------------------------------------------------------------------------
