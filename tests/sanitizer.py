@@ -36,7 +36,10 @@ def assert_memcheck_clean(case_source: str) -> None:
         pytest.skip("compute-sanitizer not found")
     script = textwrap.dedent(PRELUDE) + textwrap.dedent(case_source) + "\ntorch.cuda.synchronize()\n"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # Without torch's caching allocator every tensor is its own allocation, so that memcheck also sees an access
+    # just past a tensor (inside a cached segment it would be a valid address).
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     proc = subprocess.run(
         [sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", script],
         cwd=root, env=env, capture_output=True, text=True, timeout=900,

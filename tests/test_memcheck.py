@@ -29,8 +29,9 @@ def random_plan(rows, width):
     return torch.randint(0, 256, (rows, width), dtype=torch.uint8, device=d, generator=g)
 
 def extreme_plan(rows, width):
-    # Words of all-ones, all-zeros, INT32_MIN / MAX and small values, cycled.
-    words = torch.tensor([-1, 0, -(2**31), 2**31 - 1, 1, 127, 128, 65535], dtype=torch.int32, device=d)
+    # Words of all-ones, all-zeros, INT32_MIN / MAX and small values, cycled: nine of them, so that every word of a
+    # 16- or 8-byte entry takes each value.
+    words = torch.tensor([-1, 0, -(2**31), 2**31 - 1, 1, 127, 128, 65535, 65536], dtype=torch.int32, device=d)
     return repeat(words, rows * width // 4).view(torch.uint8).view(rows, width)
 """
 
