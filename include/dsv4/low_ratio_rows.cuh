@@ -150,7 +150,7 @@ DSV4_HD PrefillTail prefill_tail(int64_t start, int64_t len, int64_t n, int64_t 
 // int32 (and row < 2^31): a multiply-high remainder, 32-bit products and compares and a divisibility test instead
 // of 64-bit ones. The 64-bit plan is about a hundred dependent instructions between a c2 row's index loads and its
 // partner load (H200, 256 rows under graph replay: decode 3.16-3.23 -> 3.01-3.07 us, verify 3.09-3.17 ->
-// 2.87-2.94; prefill, 65536 tokens: 132.7-133.3 -> 127.5-128.0 us).
+// 2.87-2.94; prefill at 65536 tokens, V4: 133 -> 128 us).
 // Built by make_pair_ring32; `usable` when every ring row fits int32 (ring and owners * ring below 2^31).
 struct PairRing32 {
   bool usable;
