@@ -146,11 +146,12 @@ def c2_prefill_bytes(layout, positions, starts, lens, ring) -> int:
     return positions.numel() * per_row + odd * _written(layout) + (first_odd + parked) * PAIR_ROW_BYTES
 
 
-def _bench_c2_prefill(bench, results, layout, weight, table):
+def _bench_c2_prefill(bench, results, layout, weight, table, with_torch):
     """A chunk of PREFILL_REQUESTS requests of equal length at random start positions (mixed parity)."""
     cache = _cache(layout)
     capacity = cache.shape[0] * PAGE
     ring = dsv4.state_ring_size(2, 0)
+    theirs = compiled(torch_impls.c2_prefill) if with_torch else None
     for tokens in PREFILL_TOKENS:
         per = tokens // PREFILL_REQUESTS
         lens = [per] * PREFILL_REQUESTS
@@ -165,9 +166,11 @@ def _bench_c2_prefill(bench, results, layout, weight, table):
         extend = [torch.tensor(v, dtype=torch.int32, device="cuda") for v in (starts, lens)]
         us = bench.time_single(lambda: dsv4.c2_prefill_norm_rope_store(
             kv, state, weight, *args, EPS, table, cache, *extend, page_size=PAGE, ring_size=ring, layout=layout))
+        t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(
+            kv, state, weight, EPS, table, *args, cache, PAGE, ring, int(layout)))) if theirs else None
         nbytes = c2_prefill_bytes(layout, positions, starts, lens, ring)
         results.append(row(bench, family="low_ratio", op="c2 prefill", case=f"{layout.str_name} prefill", n=tokens,
-                           us=us, nbytes=nbytes, baseline_us=flat_copy_single_us(bench, nbytes)))
+                           us=us, nbytes=nbytes, torch_us=t_us, baseline_us=flat_copy_single_us(bench, nbytes)))
         del kv, state
 
 
@@ -179,7 +182,7 @@ def run(bench: Bench, results, with_torch=True) -> None:
         _bench_c1(bench, results, layout, weight, table, with_torch)
         _bench_c2(bench, results, layout, weight, table, with_torch, draft_len=0)
         _bench_c2(bench, results, layout, weight, table, with_torch, draft_len=VERIFY_DRAFT)
-        _bench_c2_prefill(bench, results, layout, weight, table)
+        _bench_c2_prefill(bench, results, layout, weight, table, with_torch)
 
 
 def main():

@@ -66,3 +66,27 @@ def c2_decode(kv, state, weight, eps, table, positions, req, raw_out_loc, cache,
     park = ~odd & live & (positions >= 0)
     state.index_copy_(0, torch.where(park, req * ring + positions % ring, 0).long(), kv)
     return latent
+
+
+def c2_prefill(kv, state, weight, eps, table, positions, req, raw_out_loc, cache, page_size, ring, layout):
+    """A chunk of whole requests, each a run of consecutive rows: an odd row pools with the row before when that row
+    is its request's previous position, else with the ring; then each request's even live rows among its last
+    `ring` positions park (the newest of each ring row; the others write the dummy row 0)."""
+    odd = (positions & 1) == 1
+    live = raw_out_loc > 0
+    previous = torch.roll(kv, 1, 0)
+    continues = (torch.roll(positions, 1, 0) == positions - 1) & (torch.roll(req, 1, 0) == req)
+    continues[0] = False
+    from_ring = state[req * ring + (positions - 1).clamp_min(0) % ring]
+    partner = torch.where(continues[:, None], previous, from_ring)
+    weights = torch.softmax(torch.stack([partner[:, 512:], kv[:, 512:]]), dim=0)
+    pooled = weights[0] * partner[:, :512] + weights[1] * kv[:, :512]
+    latent = _rms_norm(pooled.to(torch.bfloat16), weight, eps).to(torch.bfloat16)
+    latent = torch.where(odd[:, None], latent, torch.zeros_like(latent))
+    slots = torch.where(odd & live, raw_out_loc >> 1, -1)
+    _store_latent(latent, table, positions - 1, slots, cache, page_size, layout)
+    last = torch.full((state.shape[0] // ring,), -1, dtype=positions.dtype, device=positions.device)
+    last = last.scatter_reduce(0, req.long(), positions, "amax")
+    park = ~odd & live & (positions >= 0) & (positions + ring > last[req])
+    state.index_copy_(0, torch.where(park, req * ring + positions % ring, 0).long(), kv)
+    return latent
