@@ -44,6 +44,18 @@ def _store_latent(latent, table, rope_positions, slots, cache, page_size, layout
     store_main(t, cache, torch.where(valid_pos, slots, -1), page_size, layout)
 
 
+def _pool_and_store(kv, partner, weight, eps, table, positions, raw_out_loc, cache, page_size, layout):
+    """The odd rows' 2-way softmax pool of (partner, kv), norm and cache store; zero latents for the even rows."""
+    odd = (positions & 1) == 1
+    weights = torch.softmax(torch.stack([partner[:, 512:], kv[:, 512:]]), dim=0)
+    pooled = weights[0] * partner[:, :512] + weights[1] * kv[:, :512]
+    latent = _rms_norm(pooled.to(torch.bfloat16), weight, eps).to(torch.bfloat16)
+    latent = torch.where(odd[:, None], latent, torch.zeros_like(latent))
+    slots = torch.where(odd & (raw_out_loc > 0), raw_out_loc >> 1, -1)
+    _store_latent(latent, table, positions - 1, slots, cache, page_size, layout)
+    return latent
+
+
 def c1_decode(kv, weight, eps, table, positions, out_loc, cache, page_size, layout):
     latent = _rms_norm(kv, weight, eps).to(torch.bfloat16)
     slots = torch.where(out_loc > 0, out_loc, -1)
@@ -54,16 +66,9 @@ def c1_decode(kv, weight, eps, table, positions, out_loc, cache, page_size, layo
 def c2_decode(kv, state, weight, eps, table, positions, req, raw_out_loc, cache, page_size, ring, layout):
     """Decode only: every odd row reads its partner from the ring, every live even row parks its row (padded
     and odd rows write the dummy row 0 instead, as a masked scatter written without data-dependent shapes)."""
-    odd = (positions & 1) == 1
-    live = raw_out_loc > 0
     partner = state[req * ring + (positions - 1).clamp_min(0) % ring]
-    weights = torch.softmax(torch.stack([partner[:, 512:], kv[:, 512:]]), dim=0)
-    pooled = weights[0] * partner[:, :512] + weights[1] * kv[:, :512]
-    latent = _rms_norm(pooled.to(torch.bfloat16), weight, eps).to(torch.bfloat16)
-    latent = torch.where(odd[:, None], latent, torch.zeros_like(latent))
-    slots = torch.where(odd & live, raw_out_loc >> 1, -1)
-    _store_latent(latent, table, positions - 1, slots, cache, page_size, layout)
-    park = ~odd & live & (positions >= 0)
+    latent = _pool_and_store(kv, partner, weight, eps, table, positions, raw_out_loc, cache, page_size, layout)
+    park = ((positions & 1) == 0) & (raw_out_loc > 0) & (positions >= 0)
     state.index_copy_(0, torch.where(park, req * ring + positions % ring, 0).long(), kv)
     return latent
 
@@ -72,21 +77,13 @@ def c2_prefill(kv, state, weight, eps, table, positions, req, raw_out_loc, cache
     """A chunk of whole requests, each a run of consecutive rows: an odd row pools with the row before when that row
     is its request's previous position, else with the ring; then each request's even live rows among its last
     `ring` positions park (the newest of each ring row; the others write the dummy row 0)."""
-    odd = (positions & 1) == 1
-    live = raw_out_loc > 0
-    previous = torch.roll(kv, 1, 0)
     continues = (torch.roll(positions, 1, 0) == positions - 1) & (torch.roll(req, 1, 0) == req)
     continues[0] = False
     from_ring = state[req * ring + (positions - 1).clamp_min(0) % ring]
-    partner = torch.where(continues[:, None], previous, from_ring)
-    weights = torch.softmax(torch.stack([partner[:, 512:], kv[:, 512:]]), dim=0)
-    pooled = weights[0] * partner[:, :512] + weights[1] * kv[:, :512]
-    latent = _rms_norm(pooled.to(torch.bfloat16), weight, eps).to(torch.bfloat16)
-    latent = torch.where(odd[:, None], latent, torch.zeros_like(latent))
-    slots = torch.where(odd & live, raw_out_loc >> 1, -1)
-    _store_latent(latent, table, positions - 1, slots, cache, page_size, layout)
+    partner = torch.where(continues[:, None], torch.roll(kv, 1, 0), from_ring)
+    latent = _pool_and_store(kv, partner, weight, eps, table, positions, raw_out_loc, cache, page_size, layout)
     last = torch.full((state.shape[0] // ring,), -1, dtype=positions.dtype, device=positions.device)
     last = last.scatter_reduce(0, req.long(), positions, "amax")
-    park = ~odd & live & (positions >= 0) & (positions + ring > last[req])
+    park = ((positions & 1) == 0) & (raw_out_loc > 0) & (positions >= 0) & (positions + ring > last[req])
     state.index_copy_(0, torch.where(park, req * ring + positions % ring, 0).long(), kv)
     return latent
