@@ -728,22 +728,22 @@ C2_BAD = [
 ]
 
 
+def assert_rejects(op_name, op, args, mutate, arg, message):
+    """op(args) after mutate(args) raises the host error of op_name that names arg and says message."""
+    mutate(args)
+    with pytest.raises(RuntimeError, match=f"dsv4.{op_name}: .*{arg}") as info:
+        op(args)
+    assert message in str(info.value)
+
+
 @pytest.mark.parametrize("arg,mutate,message", C1_BAD, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(C1_BAD)])
 def test_c1_validation(arg, mutate, message):
-    a = c1_args()
-    mutate(a)
-    with pytest.raises(RuntimeError, match=f"dsv4.c1_decode_norm_rope_store: .*{arg}") as info:
-        c1_op(a)
-    assert message in str(info.value)
+    assert_rejects("c1_decode_norm_rope_store", c1_op, c1_args(), mutate, arg, message)
 
 
 @pytest.mark.parametrize("arg,mutate,message", C2_BAD, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(C2_BAD)])
 def test_c2_validation(arg, mutate, message):
-    a = c2_args()
-    mutate(a)
-    with pytest.raises(RuntimeError, match=f"dsv4.c2_decode_or_verify_norm_rope_store: .*{arg}") as info:
-        c2_op(a)
-    assert message in str(info.value)
+    assert_rejects("c2_decode_or_verify_norm_rope_store", c2_op, c2_args(), mutate, arg, message)
 
 
 def test_validation_runs_before_empty_batch():
