@@ -167,7 +167,8 @@ __device__ __forceinline__ void norm_rope_quantize_row(const NormRopeParams& p, 
     if (S != RowSource::KWriter && lane < kRopeFirstLane) round_lane_to_bf16(y);
     rotate_tail_across_warp(y, cs, lane, tail);
     const PagedCache::RowPointers target = rows();
-    quantize_main_lane<L, false>(y, lane, target.data, target.scale);
+    // Both kernels' rows leave their warps whole, so the tile-amax shuffles name the whole warp (WholeWarp).
+    quantize_main_lane<L, false, kLaneDims, true>(y, lane, target.data, target.scale);
   } else {
     uint32_t words[kLaneWords];
     pack_lane_bf16(y, words);
@@ -263,12 +264,21 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     bulk_copy_to_shared(rows_at + kRowBytes * stage, next_source, kRowBytes, arrived_at + 8 * stage);
     next_source += source_stride;
   };
-  // Lane j: row j's slot and position, loaded before the first bulk copies go out (behind a wave's
-  // copies, these loads queued).
+  // Lane j: row j's slot and position, and every lane's weight bits, loaded before the first bulk copies go
+  // out (behind a wave's copies, these loads queued).
   int64_t slot_loaded = -1, position_loaded = -1;
   if (lane < count) {
     slot_loaded = p.out_loc[first + lane];
     position_loaded = p.positions[first + lane];
+  }
+  // The weight, once per warp, element by element (any alignment), as raw bits widened after the copies are
+  // out: load_weight's misaligned fallback keeps a buffer in local memory, and with it in the kernel the
+  // compiler kept V41's packed words in local memory too (a store of them on every row).
+  uint32_t weight_bits[kLaneDims];
+#pragma unroll
+  for (int k = 0; k < kLaneDims; ++k) {
+    weight_bits[k] = p.weight_fp32 ? load_input(static_cast<const uint32_t*>(p.weight) + lane * kLaneDims + k)
+                                   : load_input(static_cast<const uint16_t*>(p.weight) + lane * kLaneDims + k);
   }
   if (lane == 0) {
 #pragma unroll
@@ -277,7 +287,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
       mbarrier_init(&released[warp][s], 32);
     }
     fence_mbarrier_init();
-    for (int i = 0; i < count && i < kPipelineStages; ++i) fetch(i);
+    fetch(0);  // count >= 1
   }
   __syncwarp();
   // Lane j: row j's slot (-1 when the row is skipped) and position (0 then: the table has a row 0); both
@@ -287,19 +297,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     slot_j = int32_t(slot_loaded);
     position_j = int32_t(position_loaded);
   }
-  // The weight, once per warp, element by element (any alignment): load_weight's misaligned fallback
-  // keeps a buffer in local memory, and with it in the kernel the compiler kept V41's packed words in
-  // local memory too (a store of them on every row).
-  float w[kLaneDims];
-  if (p.weight_fp32) {
-#pragma unroll
-    for (int k = 0; k < kLaneDims; ++k) w[k] = load_input(static_cast<const float*>(p.weight) + lane * kLaneDims + k);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kLaneDims; ++k) {
-      w[k] = bf16_to_f32(load_input(static_cast<const uint16_t*>(p.weight) + lane * kLaneDims + k));
-    }
-  }
   // This lane's RoPE table pair of row i (the table is 8-byte aligned: host check).
   const float2* lane_table = reinterpret_cast<const float2*>(p.freqs) + lane;
   auto table_pair = [&](int i) {
@@ -307,6 +304,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     return load_input(lane_table + int64_t(position) * (kRopeDim / 2));
   };
   float2 cs_next = table_pair(0);
+  // The other stages' copies go out only now: issued with the first, they put a wave's copies (12 MB at 65536
+  // bf16 rows) ahead of the first table pairs, which every warp's first row waits for. H200, 65536 rows, V4 /
+  // V41 / V41_FP4: 37.5-37.8 / 39.0-39.4 / 45.7-46.1 -> 37.2 / 38.4-38.6 / 45.1-45.2 us.
+  if (lane == 0) {
+    for (int i = 1; i < count && i < kPipelineStages; ++i) fetch(i);
+  }
+  float w[kLaneDims];
+#pragma unroll
+  for (int k = 0; k < kLaneDims; ++k) {
+    w[k] = p.weight_fp32 ? __uint_as_float(weight_bits[k]) : bf16_to_f32(uint16_t(weight_bits[k]));
+  }
   int stage = 0;
   uint32_t phase = 0;  // parity of the stage's current use
   for (int i = 0; i < count; ++i) {
