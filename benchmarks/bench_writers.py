@@ -3,6 +3,8 @@ compress_norm_rope_store (main layouts and both indexer formats, decode plans at
 under CUDA-graph replay and at large N (consecutive and random slots), against compiled torch. At 65536
 rows the compress writer also runs the same rows as a prefill plan (the shape of a real large-N call: a
 prefill emits one compressed row per `ratio` tokens; ragged ids are 16-bit, so a plan holds <= 65536 rows).
+The single-call sizes also include prefill-chunk sizes below the spec's large N (8192 and 16384 rows, no
+target): the K writer switches to its pipelined kernel at 4096 rows, whose warps take 16 rows each.
 
     python -m benchmarks.bench_writers [--only k_writer,compress] [--no-torch]
 """
@@ -20,6 +22,7 @@ from .harness import torch_baseline_us, Bench, compiled, flat_copy_single_us, ro
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 LARGE_SIZES = (65536, 1 << 20)
+MID_SIZES = (8192, 16384)  # prefill chunks: timed like the large sizes, no target
 CALLS_PER_GRAPH = 64
 DECODE_CACHE_BYTES = 256 << 20  # destination slots rotate over a cache > 2x L2
 PAGE = 64
@@ -106,8 +109,8 @@ def _theirs(op, fmt):
 
 
 
-def _target_large(op, fmt, pattern):
-    if pattern == "random":
+def _target_large(op, fmt, pattern, n):
+    if pattern == "random" or n not in LARGE_SIZES:
         return ""
     alu_bound = fmt is KVLayout.V41_FP4 or (op == "compress" and isinstance(fmt, IndexerFormat))
     return ">= 70 %" if alu_bound else ">= 85 %"
@@ -132,7 +135,7 @@ def _decode(bench, results, op, fmt, table, with_torch):
 def _large(bench, results, op, fmt, table, with_torch):
     ours = _ours(op, fmt)
     theirs = _theirs(op, fmt) if with_torch else None
-    for n in LARGE_SIZES:
+    for n in MID_SIZES + LARGE_SIZES:
         cache = _cache(fmt, n)
         patterns = ["consecutive", "random"] + (["prefill"] if op == "compress" and n <= MAX_PREFILL_ROWS else [])
         for pattern in patterns:
@@ -147,7 +150,7 @@ def _large(bench, results, op, fmt, table, with_torch):
             # ceiling there).
             extra = dict(baseline_us=flat_copy_single_us(bench, nbytes)) if pattern != "random" else {}
             results.append(row(bench, family="writers", op=op, case=f"{_name(fmt)} {pattern}", n=n, us=us,
-                               nbytes=nbytes, torch_us=t_us, target=_target_large(op, fmt, pattern), **extra))
+                               nbytes=nbytes, torch_us=t_us, target=_target_large(op, fmt, pattern, n), **extra))
 
 
 def run(bench: Bench, results, ops=("k_writer", "compress"), with_torch=True) -> None:
