@@ -140,9 +140,9 @@ CONFIG_IDS = ["c4-ring8-paged", "c4-ring16-paged", "c4-ring16-reqring", "c128-ri
               "c4-ring24-paged-sps120", "c128-ring384"]
 
 
-# GPU-input path: B <= 32 runs one warp, 100 several (with more rows than a request's owner lanes
-# write), 700 one block of 22 scanning warps, 1025 and 3000 the two-launch path.
-BATCHES = [1, 7, 100, 700, 1025, 3000]
+# GPU-input path: B = 0 plans sentinels only, B <= 32 runs one warp, 100 several (with more rows than a
+# request's owner lanes write), 700 one block of 22 scanning warps, 1025 and 3000 the two-launch path.
+BATCHES = [0, 1, 7, 100, 700, 1025, 3000]
 
 
 @pytest.mark.parametrize("B", BATCHES)
@@ -538,9 +538,11 @@ PREFILL_BAD = COMMON_BAD + [
     ("extend_gt_seq", dict(extend_lens=torch.tensor([6, 3]), num_q_tokens=9), "extend_lens"),
     ("extend_negative", dict(extend_lens=torch.tensor([-1, 3])), "extend_lens"),
     ("seq_too_long", dict(seq_lens=torch.tensor([2**31, 9])), "seq_lens"),
+    ("seq_negative", dict(seq_lens=torch.tensor([-3, 9]), extend_lens=torch.tensor([0, 3])),
+     r"seq_lens\[0\]=-3 must lie in \[0, 2\^31 - 1\]"),
     ("sum_extend", dict(num_q_tokens=4), "extend_lens"),
 ]
-VALUE_CHECKS = {"extend_gt_seq", "extend_negative", "seq_too_long", "sum_extend"}
+VALUE_CHECKS = {"extend_gt_seq", "extend_negative", "seq_too_long", "seq_negative", "sum_extend"}
 
 
 @pytest.mark.parametrize("name,change,arg", COMMON_BAD, ids=[b[0] for b in COMMON_BAD])
