@@ -5,7 +5,7 @@ from typing import Optional, Union
 
 import torch
 
-from .kv_layout import KVLayout
+from .kv_layout import KVLayout, layout_argument
 
 LayoutLike = Union[KVLayout, int, str]
 
@@ -41,7 +41,7 @@ def fused_store_cache(
         indices,
         page_size=page_size,
         type=type,
-        layout=int(KVLayout.parse(layout)),
+        layout=layout_argument("fused_store_cache", layout),
         use_fp4=use_fp4,
         freqs_cis=_rope_rows(freqs_cis),
     )
@@ -60,7 +60,7 @@ def dequantize_k_cache_paged(
     With ``out`` (bf16 ``[N, 1, 512]``, any row stride >= 512) the rows are written there and
     ``out`` is returned.
     """
-    layout_id = int(KVLayout.parse(layout))
+    layout_id = layout_argument("dequantize_k_cache_paged", layout)
     if out is None:
         return torch.ops.dsv4.dequantize_k_cache_paged(cache, slots, page_size, layout_id)
     torch.ops.dsv4.dequantize_k_cache_paged.out(cache, slots, page_size, layout_id, out=out)

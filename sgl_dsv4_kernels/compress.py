@@ -8,7 +8,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .kv_layout import KVLayout
+from .kv_layout import KVLayout, layout_argument
 from .rope import as_rope_table
 
 LayoutLike = Union[KVLayout, int, str]
@@ -85,9 +85,10 @@ def c1_decode_norm_rope_store(
     ``out_loc <= 0`` marks a padded row (slot 0 is the reserved dummy): its latent is returned but nothing is
     stored; slots past the cache and positions outside the table are not stored either.
     """
+    op = "c1_decode_norm_rope_store"
     return torch.ops.dsv4.c1_decode_norm_rope_store(
-        kv_input, norm_weight, positions, out_loc, float(eps), as_rope_table(freqs_cis), k_cache,
-        page_size, int(KVLayout.parse(layout)),
+        kv_input, norm_weight, positions, out_loc, float(eps), as_rope_table(freqs_cis, op, "freqs_cis"), k_cache,
+        page_size, layout_argument(op, layout),
     )
 
 
@@ -118,10 +119,11 @@ def c2_decode_or_verify_norm_rope_store(
     return zeros. Verify: request-major blocks of ``draft_len`` consecutive positions, ``N % draft_len == 0``
     and ``ring_size > draft_len`` (see ``state_ring_size(2, draft_len)``).
     """
+    op = "c2_decode_or_verify_norm_rope_store"
     return torch.ops.dsv4.c2_decode_or_verify_norm_rope_store(
         kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, float(eps),
-        as_rope_table(freqs_cis), k_cache, page_size, int(ring_size), int(draft_len),
-        int(KVLayout.parse(layout)),
+        as_rope_table(freqs_cis, op, "freqs_cis"), k_cache, page_size, int(ring_size), int(draft_len),
+        layout_argument(op, layout),
     )
 
 
@@ -154,10 +156,11 @@ def c2_prefill_norm_rope_store(
     request's last ``lcm(2, ring_size)`` rows park their rows in the ring. Two launches on CUDA: the rows, then
     the ring writes, so that every ring read comes first.
     """
+    op = "c2_prefill_norm_rope_store"
     return torch.ops.dsv4.c2_prefill_norm_rope_store(
         kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, float(eps),
-        as_rope_table(freqs_cis), k_cache, extend_starts, extend_lens, page_size, int(ring_size),
-        int(KVLayout.parse(layout)),
+        as_rope_table(freqs_cis, op, "freqs_cis"), k_cache, extend_starts, extend_lens, page_size, int(ring_size),
+        layout_argument(op, layout),
     )
 
 
