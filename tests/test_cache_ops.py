@@ -1137,6 +1137,19 @@ def test_store_freqs_rejections(device):
                                    page_size=2, layout=layout, use_fp4=True)
 
 
+def test_wrapper_layout_errors_name_the_op(device):
+    """A layout that is no KVLayout is rejected by the wrappers themselves, naming the op and the argument."""
+    x = torch.zeros(2, 512, device=device)
+    slots = torch.tensor([0, 1], device=device)
+    cache, _ = make_cache(V4, 2, 2, device=device, fill=0)
+    for layout in ("v5", 3):
+        with pytest.raises(ValueError, match=r"^fused_store_cache: layout: unknown KVLayout"):
+            dsv4.fused_store_cache(x, cache, slots, page_size=2, layout=layout)
+        with pytest.raises(ValueError, match=r"^dequantize_k_cache_paged: layout: unknown KVLayout"):
+            dsv4.dequantize_k_cache_paged(cache, slots, 2, layout=layout)
+    assert not cache.any()
+
+
 def test_wrapper_accepts_layout_names(ref, device):
     p = 2
     x = make_rows(3, 512, tile=16, seed=2)

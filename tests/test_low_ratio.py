@@ -891,6 +891,32 @@ def test_validation_runs_before_empty_batch():
     assert c2_op(a).shape == (0, 512)
 
 
+def test_wrapper_errors_name_the_op_and_the_argument():
+    """The Python wrappers' own errors (a layout that is no KVLayout, a complex table that is not complex64
+    [max_pos, 32]) name the op and the argument; nothing is written."""
+    fc = dsv4.precompute_freqs_cis(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0)
+    c1, c2 = c1_args(), c2_args()
+    p = dict(c2)
+    del p["draft_len"]
+    p.update(extend_starts=torch.tensor([0], dtype=torch.int32), extend_lens=torch.tensor([1], dtype=torch.int32),
+             **{k: p[k][:1] for k in ("kv_input", "positions", "req_pool_indices", "raw_out_loc")})
+    wrappers = (("c1_decode_norm_rope_store", dsv4.c1_decode_norm_rope_store, c1),
+                ("c2_decode_or_verify_norm_rope_store", dsv4.c2_decode_or_verify_norm_rope_store, c2),
+                ("c2_prefill_norm_rope_store", dsv4.c2_prefill_norm_rope_store, p))
+    for op, wrapper, args in wrappers:
+        cache_before = args["k_cache"].clone()
+        for layout in ("v5", 3):
+            with pytest.raises(ValueError, match=rf"^{op}: layout: unknown KVLayout"):
+                wrapper(**dict(args, layout=layout))
+        with pytest.raises(TypeError, match=rf"^{op}: layout: cannot interpret"):
+            wrapper(**dict(args, layout=1.0))
+        for freqs in (fc.to(torch.complex128), fc[:, 0]):
+            with pytest.raises(ValueError, match=rf"^{op}: freqs_cis: .*complex64"):
+                wrapper(**dict(args, freqs_cis=freqs))
+        assert torch.equal(args["k_cache"], cache_before), op
+        wrapper(**dict(args, freqs_cis=fc, layout="v41"))  # the accepted forms still run
+
+
 @cuda_only
 def test_device_mismatch_is_rejected():
     a = c2_args("cuda")
