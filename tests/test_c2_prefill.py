@@ -15,7 +15,7 @@ from sgl_dsv4_kernels import KVLayout
 from sgl_dsv4_kernels import reference as R
 
 from test_low_ratio import (DEVICES, EPS, INDEX_DTYPES, LAYOUTS, C2Setup, _assert_no_pool_copy, _generated_code,
-                            assert_bits_equal, assert_rejects, assert_same, bits, capture_c2,
+                            assert_bits_equal, assert_rejects, assert_same, bits, replay_against_eager,
                             check_c2_against_reference, cuda_only, gen, idx, misaligned, pair_rows)
 
 
@@ -248,22 +248,4 @@ def test_cuda_graph_replay_matches_eager():
     a = _args("cuda")
     refills = [{k: v.to("cuda").to(a[k].dtype) for k, v in _refill(a, 700 + r, lens).items()}
                for r, lens in enumerate(([9, 3], [3, 9], [12, 0], [1, 11]))]
-    graph, out = capture_c2(_op, a)
-    records = []
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for new in refills:
-            for k, v in new.items():
-                a[k].copy_(v)
-            snap = {k: a[k].clone() for k in ("kv_state", "k_cache")}
-            graph.replay()
-            got = (out.clone(), a["kv_state"].clone(), a["k_cache"].clone())
-            want = _op(dict(a, **snap))  # the eager op does not sync either
-            records.append((got, (want, snap["kv_state"], snap["k_cache"])))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    for r, ((latent, state, cache), (want, want_state, want_cache)) in enumerate(records):
-        assert_bits_equal(latent, want, f"replay {r}: latent")
-        assert_same(state, want_state, f"replay {r}: ring state")
-        assert_same(cache, want_cache, f"replay {r}: cache")
+    replay_against_eager(_op, a, refills, "prefill")

@@ -661,6 +661,19 @@ def test_compile_plan_and_compress_chain(device):
 # CUDA graphs, PDL
 
 
+def replay_without_sync_or_allocation(graph) -> None:
+    """Replays graph under sync-debug "error" and checks that the replay allocated nothing."""
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ratio", [4, 128])
@@ -721,15 +734,7 @@ def test_cuda_graph_replay_decode_and_gpu_prefill(ratio):
         calls(state_eager)
         eager = {k: v.clone() for k, v in outs.items()}
         eager_plans = (plan_d.clone(), plan_c.clone(), plan_w.clone())
-        torch.cuda.synchronize()
-        allocated = torch.cuda.memory_allocated()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == allocated
+        replay_without_sync_or_allocation(graph)
         assert torch.equal(replayed["d"], eager["d"]) and torch.equal(replayed["p"], eager["p"])
         assert torch.equal(e.state[ring:], state_eager[ring:]), "state outside owner 0"
         rid_t, L_t, Lp_t, E_t = (torch.tensor(v) for v in (rid_list, L, L_p, E))
@@ -808,15 +813,7 @@ def test_cuda_graph_replay_two_launch_planner(ratio):
         eager_a, eager_b = state_a.clone(), state_b.clone()
         calls(eager_a, eager_b)
         eager = {k: v.clone() for k, v in outs.items()}
-        torch.cuda.synchronize()
-        allocated = torch.cuda.memory_allocated()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == allocated
+        replay_without_sync_or_allocation(graph)
         for k in eager:
             assert torch.equal(replayed[k], eager[k]), k
         assert torch.equal(state_a[ring:], eager_a[ring:]) and torch.equal(state_b[ring:], eager_b[ring:])

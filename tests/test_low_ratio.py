@@ -1116,6 +1116,31 @@ def capture_c2(op, a):
     return graph, out
 
 
+def replay_against_eager(op, a, refills, what):
+    """Captures op(a) once (capture_c2); for each refill, copies its tensors into a's static inputs in place,
+    replays under sync-debug "error" with an eager op call on snapshots of the ring and the cache after each
+    (the eager op does not sync either), and compares latent, ring and cache bit for bit."""
+    graph, out = capture_c2(op, a)
+    records = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for new in refills:
+            for k, v in new.items():
+                a[k].copy_(v)
+            snap = {k: a[k].clone() for k in ("kv_state", "k_cache")}
+            graph.replay()
+            got = (out.clone(), a["kv_state"].clone(), a["k_cache"].clone())
+            want = op(dict(a, **snap))
+            records.append((got, (want, snap["kv_state"], snap["k_cache"])))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for r, ((latent, state, cache), (want, want_state, want_cache)) in enumerate(records):
+        assert_bits_equal(latent, want, f"{what} replay {r}: latent")
+        assert_same(state, want_state, f"{what} replay {r}: ring state")
+        assert_same(cache, want_cache, f"{what} replay {r}: cache")
+
+
 def _refill_verify(a, seed):
     """New verify blocks for the static inputs of c2_args(draft_len > 0) (verify_batch): other live requests,
     start positions of both parities, other slots and rows, and the padded block on the dummy request 0."""
@@ -1133,26 +1158,8 @@ def test_cuda_graph_verify_replay_matches_eager():
     times under sync-debug "error" with an eager call on snapshots after each, and compare."""
     a = c2_args("cuda", draft_len=5, bs=4, ring=8)
     refills = [{k: v.to("cuda").to(a[k].dtype) for k, v in _refill_verify(a, 900 + r).items()} for r in range(5)]
-    graph, out = capture_c2(c2_op, a)
-    records = []
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for new in refills:
-            for k, v in new.items():
-                a[k].copy_(v)
-            snap = {k: a[k].clone() for k in ("kv_state", "k_cache")}
-            graph.replay()
-            got = (out.clone(), a["kv_state"].clone(), a["k_cache"].clone())
-            want = c2_op(dict(a, **snap))  # the eager op does not sync either
-            records.append((got, (want, snap["kv_state"], snap["k_cache"])))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
     assert len(set(tuple(new["req_pool_indices"].tolist()) for new in refills)) > 1
-    for r, ((latent, state, cache), (want, want_state, want_cache)) in enumerate(records):
-        assert_bits_equal(latent, want, f"verify replay {r}: latent")
-        assert_same(state, want_state, f"verify replay {r}: ring state")
-        assert_same(cache, want_cache, f"verify replay {r}: cache")
+    replay_against_eager(c2_op, a, refills, "verify")
 
 
 @cuda_only
