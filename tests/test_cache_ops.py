@@ -1114,6 +1114,9 @@ def test_store_zero_rows_is_a_no_op(device, fmt):
         op_store(fmt, torch.empty(0, 512, device=device, dtype=BF16), cache,
                  torch.empty(0, dtype=torch.int64, device=device), 2,
                  freqs_cis=torch.empty(0, 64, device=device))
+        op_store(fmt, torch.empty(0, 512, device=device, dtype=BF16), cache,
+                 torch.empty(0, dtype=torch.int64, device=device), 2,
+                 freqs_cis=torch.empty(0, 32, device=device, dtype=torch.complex64))
     assert torch.equal(buf, before)
 
 
@@ -1135,6 +1138,23 @@ def test_store_freqs_rejections(device):
         with pytest.raises(RuntimeError, match=r"dsv4\.fused_store_cache.*\buse_fp4\b"):
             dsv4.fused_store_cache(x, make_cache(MAIN_FORMATS[layout], 2, 2, device=device, fill=0)[0], slots,
                                    page_size=2, layout=layout, use_fp4=True)
+
+
+def test_store_complex_freqs_forms(device):
+    """complex64 [N, 32] rotations equal their fp32 [N, 64] form; other complex tensors are rejected by the
+    wrapper, naming the op and the argument."""
+    fc = torch.polar(torch.ones(3, 32), torch.rand(3, 32, generator=torch.Generator().manual_seed(5)) * 6.3)
+    x = make_rows(3, 512, tile=16, seed=7).to(device)
+    slots = torch.tensor([0, 3, 1], device=device)
+    got, _ = make_cache(V41, 2, 2, device=device, fill=0)
+    want, _ = make_cache(V41, 2, 2, device=device, fill=0)
+    dsv4.fused_store_cache(x, got, slots, page_size=2, layout="v41", freqs_cis=fc.to(device))
+    table_rows = torch.view_as_real(fc).reshape(3, 64).to(device)
+    dsv4.fused_store_cache(x, want, slots, page_size=2, layout="v41", freqs_cis=table_rows)
+    assert torch.equal(got, want) and got.any()
+    for bad in (fc.to(torch.complex128), fc[0, 0], fc.unsqueeze(0)):
+        with pytest.raises(ValueError, match=r"^fused_store_cache: freqs_cis must be complex64 \[N, 32\]"):
+            dsv4.fused_store_cache(x, got, slots, page_size=2, layout="v41", freqs_cis=bad.to(device))
 
 
 def test_wrapper_layout_errors_name_the_op(device):
