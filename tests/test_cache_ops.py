@@ -293,6 +293,23 @@ def test_T3_store_row_strided_input(ref, device, fmt, in_dtype):
                 strided=True)
 
 
+@pytest.mark.parametrize("stride", [0, 1, 100], ids=lambda s: f"stride{s}")
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=fmt_id)
+def test_T3_store_overlapping_rows(ref, device, fmt, stride):
+    """Input rows may have any row stride, overlapping or repeated rows included (the store only reads them):
+    the bytes equal the reference's for the same rows made contiguous."""
+    p, num_pages = 2, 6
+    slots = make_slots(9, num_pages * p, seed=seed_of("overlap-slots", stride))  # invalid slots added
+    n = slots.numel()
+    values = make_rows(n, fmt.width, tile=fmt.tile, seed=seed_of("overlap", fmt.name, stride), dtype=BF16)
+    flat = values.reshape(-1)[: (n - 1) * stride + fmt.width]
+    cache, buf = make_cache(fmt, p, num_pages, device=device, seed=seed_of("overlap-cache", stride))
+    exp_cache, exp_buf = clone_view(cache, buf, device="cpu")
+    op_store(fmt, flat.to(device).as_strided((n, fmt.width), (stride, 1)), cache, slots.to(device), p)
+    ref_store(ref, fmt, flat.as_strided((n, fmt.width), (stride, 1)).contiguous(), exp_cache, slots, p)
+    assert_bytes_equal(buf, exp_buf, fmt, p, cache.stride(0))
+
+
 def test_T3_store_into_pool_slice_keeps_rest_of_pool(ref, device):
     """A cache that is a dim-0 slice of a larger pool: pages outside the slice are untouched."""
     for i, fmt in enumerate(ALL_FORMATS):

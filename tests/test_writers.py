@@ -327,6 +327,43 @@ def test_k_writer_matches_reference(device, layout, page_size, num_pages, n, kin
         cache.check(f"combo {i}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stride", [0, 1, 100], ids=lambda s: f"stride{s}")
+def test_overlapping_rows_match_reference(device, stride):
+    """Activations may have any row stride (§0), rows that overlap or repeat included (the writers only read
+    them): both writers, every variant, bf16 and fp32 rows, against the reference on the same views."""
+    n, page_size, num_pages = 37, 16, 5
+    for variant in MAIN_VARIANTS + INDEXER_VARIANTS:
+        fmt = _fmt(variant)
+        indexer = variant.startswith("indexer")
+        d = 128 if indexer else 512
+        gen = _gen("overlap", variant, stride)
+        x, w, eps = _rows("general", gen, n, d)
+        for kv_dtype in (torch.bfloat16, torch.float32):
+            flat = x.reshape(-1)[: (n - 1) * stride + d].to(kv_dtype)
+            kv_cpu = flat.as_strided((n, d), (stride, 1))
+            kv_dev = flat.to(device).as_strided((n, d), (stride, 1))
+            what = f"{variant} {kv_dtype}"
+            if not indexer:
+                pos, loc = _positions(gen, n, torch.int64), _slots(gen, n, num_pages * page_size, torch.int64)
+                cache = PoisonedCache(fmt, page_size, num_pages, device, gen, True, False)
+                ref.fused_k_norm_rope_flashmla(kv_cpu, w, eps, TABLE, pos, loc, cache.ref, page_size=page_size,
+                                               layout=fmt)
+                dsv4.fused_k_norm_rope_flashmla(kv_dev, w.to(device), eps, _table(device), pos.to(device),
+                                                loc.to(device), cache.dev, page_size=page_size, layout=fmt)
+                cache.check(f"K writer {what}")
+            plan, out_loc = decode_case(gen, n, 4, num_pages * page_size, torch.int64)
+            cache = PoisonedCache(fmt, page_size, num_pages, device, gen, True, False)
+            layout = KVLayout.V4 if indexer else fmt
+            common = dict(norm_eps=eps, page_size=page_size, layout=layout, use_fp4=fmt is IndexerFormat.FP4,
+                          compress_ratio=4, is_decode=True)
+            ref.compress_norm_rope_store(kv_cpu, plan, norm_weight=w, freq_cis=TABLE, out_loc=out_loc,
+                                         kvcache=cache.ref, **common)
+            dsv4.compress_norm_rope_store(kv_dev, plan.to(device), norm_weight=w.to(device), freq_cis=_table(device),
+                                          out_loc=out_loc.to(device), kvcache=cache.dev, **common)
+            cache.check(f"compress writer {what}")
+
+
 @pytest.mark.parametrize("n", [5007, 4097, 4098])
 @pytest.mark.parametrize("kind", ["general", "boundary"])
 @pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
