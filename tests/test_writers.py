@@ -364,6 +364,27 @@ def test_overlapping_rows_match_reference(device, stride):
             cache.check(f"compress writer {what}")
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stride", [0, 8, 256], ids=lambda s: f"stride{s}")
+def test_k_writer_pipeline_overlapping_rows(stride):
+    """The pipelined K writer (n >= 4096) bulk-copies rows whose addresses are 16-byte aligned, repeated (stride
+    0) or overlapping (strides of 8 and 256 bf16: 16 and 512 bytes) ones included; against the reference."""
+    n, page_size, num_pages = 4133, 64, 80
+    for layout in KVLayout:
+        gen = _gen("k-overlap", layout, stride)
+        x, w, eps = _rows("general", gen, n, 512)
+        flat = x.reshape(-1)[: (n - 1) * stride + 512].to(torch.bfloat16)
+        pos, loc = _positions(gen, n, torch.int32), _slots(gen, n, num_pages * page_size, torch.int64)
+        cache = PoisonedCache(layout, page_size, num_pages, "cuda", gen, True, False)
+        ref.fused_k_norm_rope_flashmla(flat.as_strided((n, 512), (stride, 1)), w, eps, TABLE, pos, loc, cache.ref,
+                                       page_size=page_size, layout=layout)
+        dsv4.fused_k_norm_rope_flashmla(flat.cuda().as_strided((n, 512), (stride, 1)), w.cuda(), eps,
+                                        _table("cuda"), pos.cuda(), loc.cuda(), cache.dev, page_size=page_size,
+                                        layout=layout)
+        cache.check(f"{layout.str_name} stride {stride}")
+
+
 @pytest.mark.parametrize("n", [5007, 4097, 4098])
 @pytest.mark.parametrize("kind", ["general", "boundary"])
 @pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
