@@ -10,10 +10,10 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout, IndexerFormat
 
 from . import torch_impls_cache as ref_torch
-from .harness import torch_baseline_us, Bench, as_words, compiled, gather_copy_us, row, scatter_copy_us
+from .harness import torch_baseline_us, Bench, as_words, compiled, gather_copy_us, row, scatter_rows_baseline
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
-LARGE_SIZES = (65536, 1 << 20)
+LARGE_SIZES = (65536, 131072, 1 << 20)
 CALLS_PER_GRAPH = 64
 DECODE_CACHE_BYTES = 256 << 20  # destination slots rotate over a cache > 2x L2
 PAGE = 64
@@ -94,15 +94,8 @@ def _large_store(bench, results, fmt, name):
             us = bench.time_single(lambda: ours(x, cache, slots))
             t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(x, cache, slots)))
             extra = {}
-            if pattern == "random":
-                # Scatter of the same data rows from a contiguous source into the same slots.
-                data_bytes = fmt.data_bytes
-                words = as_words(data_bytes)
-                word_bytes = torch.empty((), dtype=words).element_size()
-                dst = torch.zeros(n, data_bytes // word_bytes, dtype=words, device="cuda")
-                src = torch.ones_like(dst)
-                extra = dict(baseline_us=scatter_copy_us(bench, dst, slots.long(), src),
-                             baseline_bytes=2 * n * data_bytes)
+            if pattern == "random":  # a scatter of the same data rows into the same slots
+                extra = scatter_rows_baseline(bench, fmt.data_bytes, slots)
             if pattern == "consecutive":
                 target = ">= 70 %" if fmt == KVLayout.V41_FP4 else (">= 85 %" if isinstance(fmt, KVLayout) else "")
             else:

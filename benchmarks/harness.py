@@ -101,6 +101,17 @@ def scatter_copy_us(bench: Bench, dst_rows: torch.Tensor, slots: torch.Tensor, s
     return bench.time_single(lambda: dst_rows.index_copy_(0, slots, src_rows))
 
 
+def scatter_rows_baseline(bench: Bench, row_bytes: int, slots: torch.Tensor) -> Dict:
+    """The random-slot baseline of a cache writer, as `row` arguments: a scatter (index_copy_) of rows of
+    row_bytes from a contiguous source into the same slots, in the widest words that divide a row."""
+    words = as_words(row_bytes)
+    word_bytes = torch.empty((), dtype=words).element_size()
+    dst = torch.zeros(slots.numel(), row_bytes // word_bytes, dtype=words, device=bench.device)
+    src = torch.ones_like(dst)
+    return dict(baseline_us=scatter_copy_us(bench, dst, slots.long(), src),
+                baseline_bytes=2 * slots.numel() * row_bytes)
+
+
 def flat_copy_us(bench: Bench, nbytes: int, calls: int) -> float:
     """One device copy moving nbytes (nbytes / 2 read, nbytes / 2 written) per call, timed like a decode op:
     `calls` disjoint buffer pairs replayed from one CUDA graph. What moving the same bytes costs at that size in
