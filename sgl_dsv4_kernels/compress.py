@@ -253,7 +253,7 @@ def reset_compress_state(state: torch.Tensor, ratio: int, head_dim: int) -> torc
     fn = "reset_compress_state"
     _check_ratio(fn, ratio)
     _check_head_dim(fn, ratio, head_dim)
-    width = 4 * head_dim if ratio == 4 else 2 * head_dim
+    width = state_row_width(ratio, head_dim)
     if state.dim() < 2 or state.shape[-1] != width or state.numel() // width < ratio:
         raise ValueError(f"{fn}: state must be [rows, {width}] (or [pages, {ratio}, {width}]) with at least "
                          f"{ratio} rows for ratio {ratio}, head_dim {head_dim}, got {list(state.shape)}")
