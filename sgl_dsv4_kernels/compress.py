@@ -154,7 +154,8 @@ def c2_prefill_norm_rope_store(
     for whole rows past the requests or whole requests: the partners follow the positions (an odd row pools with
     the input row before it whenever that row is its request's previous position, as in verify), and only a
     request's last ``lcm(2, ring_size)`` rows park their rows in the ring. Two launches on CUDA: the rows, then
-    the ring writes, so that every ring read comes first.
+    the ring writes, so that every ring read comes first. At most ``2**31 - 1`` requests (one block each in the
+    ring-write launch); more are rejected before anything is written.
     """
     op = "c2_prefill_norm_rope_store"
     return torch.ops.dsv4.c2_prefill_norm_rope_store(
