@@ -144,7 +144,6 @@ def _check_fake_quant(op, x, block_size):
         _msg(op, f"x must be bfloat16, float16 or float32, got {x.dtype}"),
     )
     torch._check(x.dim() >= 1, _msg(op, "x must have rank >= 1, got a 0-d tensor"))
-    torch._check(x.dim() <= 9, _msg(op, "x must have rank <= 9"))
     torch._check(x.size(-1) <= 1 or x.stride(-1) == 1, _msg(op, "x must have stride(-1) == 1"))
     torch._check(x.size(-1) % block_size == 0, _msg(op, f"x.size(-1) must be a multiple of {block_size}"))
     return torch.empty_like(x, memory_format=torch.contiguous_format)

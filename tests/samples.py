@@ -465,6 +465,11 @@ def fake_quant_samples(device="cpu") -> Iterator[Sample]:
     x3 = make_rows(12, 64, tile=16, seed=8, dtype=torch.float32).view(3, 4, 64).to(device)
     yield Sample("fq_kv-3d", ops.fake_quant_compressed_kv.default, (x3,), {})
     yield Sample("fq_fp4-3d", ops.fake_quant_fp4.default, (x3,), dict(block_size=32))
+    # Rank 12 whose 11 leading dims are laid out in reverse order, so none merges with another.
+    x12 = make_rows(2**11, 32, tile=16, seed=9, dtype=torch.float32).view([2] * 11 + [32]).to(device)
+    x12 = x12.permute(*range(10, -1, -1), 11).contiguous().permute(*range(10, -1, -1), 11)
+    yield Sample("fq_kv-rank12", ops.fake_quant_compressed_kv.default, (x12,), {})
+    yield Sample("fq_fp4-rank12", ops.fake_quant_fp4.default, (x12,), dict(block_size=16))
 
 
 def all_samples(device="cpu") -> List[Sample]:
