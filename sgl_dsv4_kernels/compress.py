@@ -392,7 +392,8 @@ def compress_forward(
     plan row k; zero where no entry is emitted) and updates the state ring in place.
 
     ``state`` is the pool of ``alloc_compress_state`` (or a dim-0 slice of it), ``kv_score_input``
-    the raw projection rows ``[N, W]``, ``ape`` the kernel bias of ``ape_for_kernel``. ``plan`` is a
+    the raw projection rows ``[N, W]`` (last dim contiguous, any row stride: repeated or overlapping rows are
+    only read), ``ape`` the kernel bias of ``ape_for_kernel``. ``plan`` is a
     ``CompressPlan`` or the raw plan tensor with explicit ``compress_ratio`` and ``is_decode``
     (and ``plan_w`` for prefill).
     """

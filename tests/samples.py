@@ -256,6 +256,13 @@ def strided_rows(x: torch.Tensor, extra: int = 3) -> torch.Tensor:
     return wide[:, :w]
 
 
+def overlapping_rows(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """x.shape rows taken `stride` elements apart from x's values laid end to end: repeated rows (stride 0) or
+    rows that overlap (stride < width)."""
+    n, width = x.shape
+    return x.reshape(-1)[: (n - 1) * stride + width].as_strided((n, width), (stride, 1))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Slots
 
