@@ -26,7 +26,9 @@ PIPELINE_ROW = re.compile(r"^(v4_c4|v4_c128|v41_c1|v41_c2)\s+(.+?)\s+(PASS|FAIL)
 
 
 def _env(**extra):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    # One CPU thread: the reference model runs many small ops, which a thread pool slows down ten-fold
+    # on a loaded machine.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
