@@ -1,4 +1,6 @@
-"""Typed wrappers of the KV I/O ops: store rows into a paged cache, read them back, fake-quantize."""
+"""Typed wrappers of the KV I/O ops: store rows into a paged cache, read them back, fake-quantize. Layouts may be
+given as KVLayout, int or name; the ops themselves check every tensor argument.
+"""
 from __future__ import annotations
 
 from typing import Optional, Union

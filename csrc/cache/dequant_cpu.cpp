@@ -1,4 +1,5 @@
-// CPU implementation of dequantize_k_cache_paged for the three main layouts.
+// CPU implementation of dequantize_k_cache_paged for the three main layouts: each stored element decoded
+// on its own, the same bytes the CUDA kernels (dequant_kernels.cu) produce.
 #include "cache_launch.h"
 #include "dsv4/quant.cuh"
 

@@ -1,4 +1,5 @@
-// Widening loads and narrowing stores of bf16 / fp16 / fp32 elements, for the CPU kernels.
+// Widening loads and narrowing stores of bf16 / fp16 / fp32 elements, for the CPU implementations of the
+// stores, writers, fake-quant ops and low-ratio compressors (the CUDA kernels have their own vector paths).
 #pragma once
 
 #include <cstdint>

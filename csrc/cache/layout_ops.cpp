@@ -1,4 +1,5 @@
-// Introspection ops over include/dsv4/kv_layout.cuh, so that Python can check its mirror (T1).
+// Introspection ops over include/dsv4/kv_layout.cuh (format sizes, the layout-pair rule), so that the Python
+// mirror in sgl_dsv4_kernels/kv_layout.py can be checked against the C++ one (T1).
 #include <string>
 #include <vector>
 

@@ -1,4 +1,5 @@
-// CPU implementation of fused_store_cache: one row at a time through the row quantizers.
+// CPU implementation of fused_store_cache: one row at a time through the row quantizers (row_quant.h), which
+// the CUDA store kernels match byte for byte.
 #include "cache_launch.h"
 #include "element_io.h"
 #include "dsv4/rope.cuh"

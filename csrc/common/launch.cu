@@ -1,4 +1,5 @@
-// PDL switch: enabled on devices of compute capability >= 9.0 unless SGL_DSV4_PDL=0.
+// The PDL switch of every launch (launch.cuh): programmatic dependent launch on devices of compute capability
+// >= 9.0 unless SGL_DSV4_PDL=0, read once per process.
 #include "dsv4/launch.cuh"
 
 namespace dsv4 {

@@ -1,4 +1,5 @@
-// Implementation of the shared host-side argument checks (see op_checks.h).
+// The shared host-side argument checks of every op (declared in op_checks.h): dtypes, shapes, devices, caches
+// and their alignment, plans, norm weights and RoPE tables, each failing with a message naming the op and argument.
 #include "op_checks.h"
 
 #include <torch/csrc/stable/device.h>
