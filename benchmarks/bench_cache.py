@@ -10,7 +10,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout, IndexerFormat
 
 from . import torch_impls_cache as ref_torch
-from .harness import torch_baseline_us, Bench, as_words, compiled, gather_copy_us, row, scatter_rows_baseline
+from .harness import DEVICE, torch_baseline_us, Bench, as_words, compiled, gather_copy_us, row, scatter_rows_baseline
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 LARGE_SIZES = (65536, 131072, 1 << 20)
@@ -20,7 +20,7 @@ PAGE = 64
 INDEX_BYTES = 4  # int32 slots
 
 
-def _cache(fmt, tokens, device="cuda"):
+def _cache(fmt, tokens, device=DEVICE):
     pages = (tokens + PAGE - 1) // PAGE
     return torch.randint(0, 256, (pages, fmt.page_bytes(PAGE)), dtype=torch.uint8, device=device)
 
@@ -73,8 +73,8 @@ def _decode_store(bench, results, fmt, name):
     capacity = cache.shape[0] * PAGE
     ours, theirs = _our_store(fmt), _torch_store(fmt)
     for n in DECODE_SIZES:
-        xs = [torch.randn(n, width, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS_PER_GRAPH)]
-        slot_sets = torch.randperm(capacity, device="cuda")[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
+        xs = [torch.randn(n, width, device=DEVICE, dtype=torch.bfloat16) for _ in range(CALLS_PER_GRAPH)]
+        slot_sets = torch.randperm(capacity, device=DEVICE)[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
         hot = xs + list(slot_sets)  # the cache comes cold
         us = bench.time_graph([lambda x=x, s=s: ours(x, cache, s) for x, s in zip(xs, slot_sets)], hot=hot)
         t_us = torch_baseline_us(
@@ -87,11 +87,11 @@ def _large_store(bench, results, fmt, name):
     width = 512 if isinstance(fmt, KVLayout) else 128
     ours, theirs = _our_store(fmt), _torch_store(fmt)
     for n in LARGE_SIZES:
-        x = torch.randn(n, width, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(n, width, device=DEVICE, dtype=torch.bfloat16)
         cache = _cache(fmt, n)
         for pattern in ("consecutive", "random"):
-            slots = (torch.arange(n, device="cuda") if pattern == "consecutive"
-                     else torch.randperm(n, device="cuda")).int()
+            slots = (torch.arange(n, device=DEVICE) if pattern == "consecutive"
+                     else torch.randperm(n, device=DEVICE)).int()
             us = bench.time_single(lambda: ours(x, cache, slots))
             t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(x, cache, slots)))
             extra = {}
@@ -111,8 +111,8 @@ def _decode_dequant(bench, results, layout):
     capacity = cache.shape[0] * PAGE
     theirs = _torch_dequant(layout)
     for n in DECODE_SIZES:
-        slot_sets = torch.randperm(capacity, device="cuda")[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
-        outs = [torch.empty(n, 1, 512, dtype=torch.bfloat16, device="cuda") for _ in range(CALLS_PER_GRAPH)]
+        slot_sets = torch.randperm(capacity, device=DEVICE)[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
+        outs = [torch.empty(n, 1, 512, dtype=torch.bfloat16, device=DEVICE) for _ in range(CALLS_PER_GRAPH)]
         hot = list(slot_sets)  # the cache rows read come cold, as attention finds them
         us = bench.time_graph([lambda s=s, o=o: dsv4.dequantize_k_cache_paged(cache, s, PAGE, layout=layout, out=o)
                                for s, o in zip(slot_sets, outs)], hot=hot)
@@ -125,10 +125,10 @@ def _large_dequant(bench, results, layout):
     theirs = _torch_dequant(layout)
     for n in LARGE_SIZES:
         cache = _cache(layout, n)
-        out = torch.empty(n, 1, 512, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(n, 1, 512, dtype=torch.bfloat16, device=DEVICE)
         for pattern in ("consecutive", "random"):
-            slots = (torch.arange(n, device="cuda") if pattern == "consecutive"
-                     else torch.randperm(n, device="cuda")).int()
+            slots = (torch.arange(n, device=DEVICE) if pattern == "consecutive"
+                     else torch.randperm(n, device=DEVICE)).int()
             us = bench.time_single(lambda: dsv4.dequantize_k_cache_paged(cache, slots, PAGE, layout=layout, out=out))
             t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(cache, slots)))
             extra = {}
@@ -136,7 +136,7 @@ def _large_dequant(bench, results, layout):
                 # Gather of whole stored token rows (data + scale bytes) by the same slots.
                 token = layout.data_bytes + layout.scale_bytes
                 words = as_words(token)
-                src = torch.ones(n, token // torch.empty((), dtype=words).element_size(), dtype=words, device="cuda")
+                src = torch.ones(n, token // torch.empty((), dtype=words).element_size(), dtype=words, device=DEVICE)
                 extra = dict(baseline_us=gather_copy_us(bench, src, slots.long()), baseline_bytes=2 * n * token)
             target = (">= 85 %" if pattern == "consecutive" else ">= 90 % of gather")
             results.append(row(bench, family="kv_io", op="dequant", case=f"{layout.str_name} {pattern}", n=n, us=us,

@@ -17,7 +17,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import reference as ref
 
 from . import torch_impls_compress as torch_impls
-from .harness import Bench, compiled, flat_copy_single_us, flat_copy_us, row, torch_baseline_us
+from .harness import DEVICE, Bench, compiled, flat_copy_single_us, flat_copy_us, row, torch_baseline_us
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 PREFILL_TOKENS = (4096, 32768, 131072)
@@ -43,11 +43,11 @@ def _cycle(calls):
 def _decode_set(ratio, head_dim, ring, bs, gen):
     """One rotating set: its own pool (request rings, rids shuffled), inputs and plan."""
     W = (4 if ratio == 4 else 2) * head_dim
-    state = dsv4.alloc_compress_state(ratio, head_dim, bs + 1, ring, device="cuda")
-    rids = (torch.randperm(bs, generator=gen) + 1).cuda()
-    seq = torch.randint(256, 8192, (bs,), generator=gen).cuda()
+    state = dsv4.alloc_compress_state(ratio, head_dim, bs + 1, ring, device=DEVICE)
+    rids = (torch.randperm(bs, generator=gen) + 1).to(DEVICE)
+    seq = torch.randint(256, 8192, (bs,), generator=gen).to(DEVICE)
     plan = dsv4.plan_compress_decode(rids, seq, compress_ratio=ratio, ring_size=ring, use_req_ring=True)
-    x = torch.randn(bs, W, device="cuda")
+    x = torch.randn(bs, W, device=DEVICE)
     emitting = int((seq % ratio == 0).sum())
     return state, x, plan, emitting
 
@@ -62,7 +62,7 @@ def _decode_bytes(ratio, head_dim, bs, emitting):
 
 def _decode(bench, results, ratio, head_dim, ring, use_torch):
     name = _name(ratio, head_dim)
-    ape = torch.randn(8 if ratio == 4 else 128, head_dim, device="cuda")
+    ape = torch.randn(8 if ratio == 4 else 128, head_dim, device=DEVICE)
     theirs = compiled(torch_impls.compress_decode) if use_torch else None
     empty_us = bench.empty_kernel_us()
     for bs in DECODE_SIZES:
@@ -99,7 +99,7 @@ def _prefill_plans(ratio, ring, tokens):
     plans = []
     for start in range(0, tokens, MAX_PLAN_TOKENS):
         E = min(MAX_PLAN_TOKENS, tokens - start)
-        plan = dsv4.plan_compress_prefill(torch.tensor([1], device="cuda"), torch.tensor([start + E]),
+        plan = dsv4.plan_compress_prefill(torch.tensor([1], device=DEVICE), torch.tensor([start + E]),
                                           torch.tensor([E]), num_q_tokens=E, compress_ratio=ratio, ring_size=ring,
                                           use_req_ring=True)
         plans.append(plan)
@@ -126,12 +126,12 @@ def _prefill_bytes(ratio, head_dim, plans):
 def _prefill(bench, results, ratio, head_dim, ring, use_torch):
     name = _name(ratio, head_dim)
     W = (4 if ratio == 4 else 2) * head_dim
-    ape = torch.randn(8 if ratio == 4 else 128, head_dim, device="cuda")
+    ape = torch.randn(8 if ratio == 4 else 128, head_dim, device=DEVICE)
     theirs = compiled(torch_impls.compress_prefill) if use_torch else None
     for tokens in PREFILL_TOKENS:
         plans = _prefill_plans(ratio, ring, tokens)
-        state = dsv4.alloc_compress_state(ratio, head_dim, 2, ring, device="cuda")
-        x = torch.randn(tokens, W, device="cuda")
+        state = dsv4.alloc_compress_state(ratio, head_dim, 2, ring, device=DEVICE)
+        x = torch.randn(tokens, W, device=DEVICE)
         chunks = []
         start = 0
         for plan in plans:
@@ -166,19 +166,19 @@ def _planners(bench, results, use_torch):
             T = 4096
             sets = []
             for _ in range(MIN_SETS):
-                rids = (torch.randperm(bs, generator=gen) + 1).cuda()
-                seq = torch.randint(256, T, (bs,), generator=gen).cuda()
+                rids = (torch.randperm(bs, generator=gen) + 1).to(DEVICE)
+                seq = torch.randint(256, T, (bs,), generator=gen).to(DEVICE)
                 if ratio == 4:  # paged: the two table lookups of every entry
-                    r2t = torch.randint(0, 1 << 20, (bs + 1, T), generator=gen, dtype=torch.int32).cuda()
-                    f2s = torch.randint(0, 1 << 20, (1 << 20,), generator=gen, dtype=torch.int32).cuda()
+                    r2t = torch.randint(0, 1 << 20, (bs + 1, T), generator=gen, dtype=torch.int32).to(DEVICE)
+                    f2s = torch.randint(0, 1 << 20, (1 << 20,), generator=gen, dtype=torch.int32).to(DEVICE)
                     kw = dict(compress_ratio=4, ring_size=ring, swa_page_size=256)
                 else:
                     r2t = f2s = None
                     kw = dict(compress_ratio=128, ring_size=ring, use_req_ring=True)
-                ext = torch.full((bs,), VERIFY_DRAFT, device="cuda")
-                out_d = torch.empty(bs, 16, dtype=torch.uint8, device="cuda")
-                out_c = torch.empty(bs * VERIFY_DRAFT, 16, dtype=torch.uint8, device="cuda")
-                out_w = torch.empty(bs * VERIFY_DRAFT, 8, dtype=torch.uint8, device="cuda")
+                ext = torch.full((bs,), VERIFY_DRAFT, device=DEVICE)
+                out_d = torch.empty(bs, 16, dtype=torch.uint8, device=DEVICE)
+                out_c = torch.empty(bs * VERIFY_DRAFT, 16, dtype=torch.uint8, device=DEVICE)
+                out_w = torch.empty(bs * VERIFY_DRAFT, 8, dtype=torch.uint8, device=DEVICE)
                 sets.append((rids, seq, ext, r2t, f2s, kw, out_d, out_c, out_w, seq + ext))
             us_d = bench.time_graph(_cycle([lambda s=s: dsv4.plan_compress_decode(s[0], s[1], s[3], s[4], out=s[6],
                                                                                   **s[5]) for s in sets]))

@@ -15,7 +15,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout
 
 from . import torch_impls_low_ratio as torch_impls
-from .harness import torch_baseline_us, Bench, compiled, flat_copy_single_us, flat_copy_us, row
+from .harness import DEVICE, torch_baseline_us, Bench, compiled, flat_copy_single_us, flat_copy_us, row
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 VERIFY_SIZES = (8, 64, 256)  # requests; 4 draft rows each
@@ -38,7 +38,7 @@ def _written(layout) -> int:
 
 def _cache(layout):
     pages = DECODE_CACHE_BYTES // layout.page_bytes(PAGE)
-    return torch.randint(0, 256, (pages, layout.page_bytes(PAGE)), dtype=torch.uint8, device="cuda")
+    return torch.randint(0, 256, (pages, layout.page_bytes(PAGE)), dtype=torch.uint8, device=DEVICE)
 
 
 def c1_bytes(layout, n) -> int:
@@ -57,9 +57,9 @@ def c2_bytes(layout, positions, from_ring) -> int:
 
 
 def _c1_calls(n, capacity, weight, table):
-    slots = 1 + torch.randperm(capacity - 1, device="cuda")[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
-    return [dict(kv=torch.randn(n, 512, device="cuda").to(torch.bfloat16), weight=weight, table=table,
-                 positions=torch.randint(0, MAX_POS, (n,), device="cuda", dtype=torch.int32), out_loc=s)
+    slots = 1 + torch.randperm(capacity - 1, device=DEVICE)[: n * CALLS_PER_GRAPH].int().view(CALLS_PER_GRAPH, n)
+    return [dict(kv=torch.randn(n, 512, device=DEVICE).to(torch.bfloat16), weight=weight, table=table,
+                 positions=torch.randint(0, MAX_POS, (n,), device=DEVICE, dtype=torch.int32), out_loc=s)
             for s in slots]
 
 
@@ -68,14 +68,14 @@ def _c2_calls(n, draft_len, capacity, weight, table):
     rows = n * max(draft_len, 1)
     ring = dsv4.state_ring_size(2, draft_len)
     requests = n * CALLS_PER_GRAPH
-    state = torch.randn(requests * ring + ring, 1024, device="cuda")  # owner 0 is the dummy request
-    req_sets = (1 + torch.randperm(requests, device="cuda")).int().view(CALLS_PER_GRAPH, n)
-    slot_sets = 1 + torch.randperm(capacity - 1, device="cuda")[: rows * CALLS_PER_GRAPH].view(CALLS_PER_GRAPH, rows)
+    state = torch.randn(requests * ring + ring, 1024, device=DEVICE)  # owner 0 is the dummy request
+    req_sets = (1 + torch.randperm(requests, device=DEVICE)).int().view(CALLS_PER_GRAPH, n)
+    slot_sets = 1 + torch.randperm(capacity - 1, device=DEVICE)[: rows * CALLS_PER_GRAPH].view(CALLS_PER_GRAPH, rows)
     calls = []
     for req, slots in zip(req_sets, slot_sets):
-        start = torch.randint(1, MAX_POS - draft_len - 1, (n, 1), device="cuda")
-        positions = (start + torch.arange(max(draft_len, 1), device="cuda")).view(-1)
-        calls.append(dict(kv=torch.randn(rows, 1024, device="cuda"), state=state, weight=weight, table=table,
+        start = torch.randint(1, MAX_POS - draft_len - 1, (n, 1), device=DEVICE)
+        positions = (start + torch.arange(max(draft_len, 1), device=DEVICE)).view(-1)
+        calls.append(dict(kv=torch.randn(rows, 1024, device=DEVICE), state=state, weight=weight, table=table,
                           positions=positions.int(), req=req.repeat_interleave(max(draft_len, 1)),
                           raw=(2 * slots + (positions & 1)).int(), ring=ring, draft_len=draft_len))
     return calls
@@ -85,7 +85,7 @@ def _c2_from_ring(a) -> int:
     """Odd rows that read their partner from the ring: every odd row in decode, block-first odd rows in verify."""
     odd = (a["positions"] & 1) == 1
     if a["draft_len"]:
-        first = torch.arange(a["positions"].numel(), device="cuda") % a["draft_len"] == 0
+        first = torch.arange(a["positions"].numel(), device=DEVICE) % a["draft_len"] == 0
         odd = odd & first
     return int(odd.sum())
 
@@ -168,10 +168,10 @@ def _bench_c2_prefill(bench, results, layout, weight, table, with_torch):
         positions = (first + torch.arange(per)).view(-1)
         req = torch.arange(1, PREFILL_REQUESTS + 1).repeat_interleave(per)
         slots = 1 + torch.randperm(capacity - 1)[:tokens]
-        state = torch.randn((PREFILL_REQUESTS + 1) * ring, 1024, device="cuda")
-        kv = torch.randn(tokens, 1024, device="cuda")
-        args = [t.int().cuda() for t in (positions, req, 2 * slots + (positions & 1))]
-        extend = [torch.tensor(v, dtype=torch.int32, device="cuda") for v in (starts, lens)]
+        state = torch.randn((PREFILL_REQUESTS + 1) * ring, 1024, device=DEVICE)
+        kv = torch.randn(tokens, 1024, device=DEVICE)
+        args = [t.int().to(DEVICE) for t in (positions, req, 2 * slots + (positions & 1))]
+        extend = [torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in (starts, lens)]
         us = bench.time_single(lambda: dsv4.c2_prefill_norm_rope_store(
             kv, state, weight, *args, EPS, table, cache, *extend, page_size=PAGE, ring_size=ring, layout=layout))
         t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(
@@ -183,8 +183,8 @@ def _bench_c2_prefill(bench, results, layout, weight, table, with_torch):
 
 
 def run(bench: Bench, results, with_torch=True) -> None:
-    table = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).cuda()
-    weight = torch.randn(512, device="cuda").to(torch.bfloat16)
+    table = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).to(DEVICE)
+    weight = torch.randn(512, device=DEVICE).to(torch.bfloat16)
     for layout in KVLayout:
         print(f"low_ratio: {layout.str_name}")
         _bench_c1(bench, results, layout, weight, table, with_torch)

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sgl_dsv4_kernels.pipeline import KVLayer, LayerKind, LayerRows, LayerWeights, RequestPool, StepBatch
 from sgl_dsv4_kernels.pipeline.pool import PoolGeometry
 
-from .harness import Bench, row
+from .harness import DEVICE, Bench, row
 
 BATCHES = (1, 64, 256)
 MAX_TOKENS = 4096  # request lengths are drawn from [256, MAX_TOKENS]
@@ -41,7 +41,7 @@ class _RecordOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _decode_batches(kind: LayerKind, batch: int, seed: int, device="cuda") -> List[KVLayer]:
+def _decode_batches(kind: LayerKind, batch: int, seed: int, device=DEVICE) -> List[KVLayer]:
     """STEPS_PER_GRAPH decode batches of ``batch`` live requests each (random lengths, about 1/r of them emit),
     no request in two of them, all decoding into one layer's caches: each step writes its own slots and rows."""
     gen = torch.Generator().manual_seed(seed)

@@ -19,7 +19,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import IndexerFormat, KVLayout
 
 from . import torch_impls_writers as torch_impls
-from .harness import torch_baseline_us, Bench, compiled, flat_copy_single_us, row, scatter_rows_baseline
+from .harness import DEVICE, torch_baseline_us, Bench, compiled, flat_copy_single_us, row, scatter_rows_baseline
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 LARGE_SIZES = (65536, 131072, 1 << 20)
@@ -47,7 +47,7 @@ def _written(fmt) -> int:
 
 def _cache(fmt, tokens):
     pages = (tokens + PAGE - 1) // PAGE
-    return torch.randint(0, 256, (pages, fmt.page_bytes(PAGE)), dtype=torch.uint8, device="cuda")
+    return torch.randint(0, 256, (pages, fmt.page_bytes(PAGE)), dtype=torch.uint8, device=DEVICE)
 
 
 def _inputs(op, fmt, slots, table, prefill=False):
@@ -56,18 +56,18 @@ def _inputs(op, fmt, slots, table, prefill=False):
     (prefill) a prefill plan of the same rows: entry r carries ragged id r, so its slot is out_loc[r]."""
     n = slots.shape[0]
     d = 512 if isinstance(fmt, KVLayout) else 128
-    inputs = dict(weight=torch.randn(d, device="cuda").to(torch.bfloat16), table=table)
+    inputs = dict(weight=torch.randn(d, device=DEVICE).to(torch.bfloat16), table=table)
     if op == "k_writer":
-        inputs.update(kv=torch.randn(n, d, device="cuda", dtype=torch.bfloat16),
-                      positions=torch.randint(0, MAX_POS, (n,), device="cuda", dtype=torch.int32),
+        inputs.update(kv=torch.randn(n, d, device=DEVICE, dtype=torch.bfloat16),
+                      positions=torch.randint(0, MAX_POS, (n,), device=DEVICE, dtype=torch.int32),
                       out_loc=slots.int())
     else:
-        seq_len = RATIO * torch.randint(1, MAX_POS // RATIO + 1, (n,), device="cuda", dtype=torch.int32)
-        plan = torch.zeros(n, 16, dtype=torch.uint8, device="cuda")
+        seq_len = RATIO * torch.randint(1, MAX_POS // RATIO + 1, (n,), device=DEVICE, dtype=torch.int32)
+        plan = torch.zeros(n, 16, dtype=torch.uint8, device=DEVICE)
         plan[:, :4] = seq_len.view(torch.uint8).view(n, 4)
         if prefill:
-            plan[:, 4:8] = torch.arange(n, device="cuda", dtype=torch.int32).view(torch.uint8).view(n, 4)
-        inputs.update(kv=torch.randn(n, d, device="cuda"), plan=plan, out_loc=slots.long(), is_decode=not prefill)
+            plan[:, 4:8] = torch.arange(n, device=DEVICE, dtype=torch.int32).view(torch.uint8).view(n, 4)
+        inputs.update(kv=torch.randn(n, d, device=DEVICE), plan=plan, out_loc=slots.long(), is_decode=not prefill)
     return inputs
 
 
@@ -104,7 +104,7 @@ def _theirs(op, fmt):
         return lambda a, cache: fn(a["kv"], a["weight"], EPS, a["table"], a["positions"], a["out_loc"], cache, PAGE,
                                    int(fmt))
     indexer = isinstance(fmt, IndexerFormat)
-    hadamard = torch_impls.hadamard_matrix("cuda") if indexer else None
+    hadamard = torch_impls.hadamard_matrix(DEVICE) if indexer else None
     return lambda a, cache: fn(a["kv"], a["plan"], a["weight"], EPS, a["table"], a["out_loc"], cache, PAGE, RATIO,
                                0 if indexer else int(fmt), fmt is IndexerFormat.FP4, hadamard)
 
@@ -123,7 +123,7 @@ def _decode(bench, results, op, fmt, table, with_torch):
     ours = _ours(op, fmt)
     theirs = _theirs(op, fmt) if with_torch else None
     for n in DECODE_SIZES:
-        slot_sets = torch.randperm(capacity, device="cuda")[: n * CALLS_PER_GRAPH].view(CALLS_PER_GRAPH, n)
+        slot_sets = torch.randperm(capacity, device=DEVICE)[: n * CALLS_PER_GRAPH].view(CALLS_PER_GRAPH, n)
         calls = [_inputs(op, fmt, slots, table) for slots in slot_sets]
         hot = [t for a in calls for t in a.values() if isinstance(t, torch.Tensor)]  # the cache comes cold
         us = bench.time_graph([lambda a=a: ours(a, cache) for a in calls], hot=hot)
@@ -141,7 +141,7 @@ def _large(bench, results, op, fmt, table, with_torch):
         cache = _cache(fmt, n)
         patterns = ["consecutive", "random"] + (["prefill"] if op == "compress" and n <= MAX_PREFILL_ROWS else [])
         for pattern in patterns:
-            slots = torch.randperm(n, device="cuda") if pattern == "random" else torch.arange(n, device="cuda")
+            slots = torch.randperm(n, device=DEVICE) if pattern == "random" else torch.arange(n, device=DEVICE)
             a = _inputs(op, fmt, slots, table, prefill=pattern == "prefill")
             us = bench.time_single(lambda: ours(a, cache))
             t_us = None  # the torch version plans decode rows only
@@ -159,7 +159,7 @@ def _large(bench, results, op, fmt, table, with_torch):
 
 
 def run(bench: Bench, results, ops=("k_writer", "compress"), with_torch=True) -> None:
-    table = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).cuda()
+    table = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).to(DEVICE)
     for op, fmt in CASES:
         if op not in ops:
             continue

@@ -15,12 +15,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 L2_FLUSH_BYTES = 256 << 20  # several times the H200's 50-60 MB L2
+# Where the benchmarks put their tensors: a GPU for every real run; "cpu" only for the smoke run of the
+# benchmark code itself (tests/test_bench_smoke.py), whose times mean nothing.
+DEVICE = os.environ.get("DSV4_BENCH_DEVICE", "cuda")
 
 
 class Bench:
     """Per-run state: the measured copy bandwidth and a buffer used to flush the L2."""
 
-    def __init__(self, device: str = "cuda"):
+    def __init__(self, device: str = DEVICE):
         self.device = torch.device(device)
         self._flush = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=self.device)
         self.copy_gbps = self.measure_copy_bandwidth()
