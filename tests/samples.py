@@ -390,10 +390,6 @@ def assert_bytes_equal(got: torch.Tensor, expected: torch.Tensor, fmt: Optional[
     raise AssertionError(f"{what}: {diff.numel()} bytes differ\n" + "\n".join(lines))
 
 
-def bf16_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16).cpu()
-
-
 def assert_bits_equal(got: torch.Tensor, expected: torch.Tensor, what: str = "output"):
     """Bitwise comparison of two floating tensors of the same dtype (signs of zero and NaN bits included)."""
     assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
