@@ -1,15 +1,5 @@
 // e2m1 encoders that take two values per instruction (device only): V41_FP4 codes of bf16-representable
 // values, and indexer fp4 codes of any values.
-//
-// E2m1RneThresholds (quant.cuh) encodes one fp32 value with three compares and four selects, about 13
-// instructions per value, which made the e2m1 encoder the largest cost of every V41_FP4 writer. When the
-// values are bf16-representable (every V41_FP4 writer quantizes bf16(y) and a bf16-rounded RoPE tail), the
-// same compares can run on bf16x2 pairs: the thresholds t*S have at most 7 significant bits (t has at most
-// 3, the e4m3 scale S at most 4) and lie in [2^-11, 2240], so they are bf16 values too, and a bf16
-// compare of two bf16 values is the exact compare of E2m1RneThresholds. One packed compare returns
-// 0xFFFF or 0 per half, and the binary search of E2m1RneThresholds becomes bitwise selects on these
-// masks: about 10 instructions per value instead of 16.5 with the packing included (SASS of 16 values:
-// 160 against 264).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +9,16 @@
 #include "dsv4/quant.cuh"
 
 namespace dsv4 {
+
+// Why: E2m1RneThresholds (quant.cuh) encodes one fp32 value with three compares and four selects, about 13
+// instructions per value, which made the e2m1 encoder the largest cost of every V41_FP4 writer. When the
+// values are bf16-representable (every V41_FP4 writer quantizes bf16(y) and a bf16-rounded RoPE tail), the
+// same compares can run on bf16x2 pairs: the thresholds t*S have at most 7 significant bits (t has at most
+// 3, the e4m3 scale S at most 4) and lie in [2^-11, 2240], so they are bf16 values too, and a bf16
+// compare of two bf16 values is the exact compare of E2m1RneThresholds. One packed compare returns
+// 0xFFFF or 0 per half, and the binary search of E2m1RneThresholds becomes bitwise selects on these
+// masks: about 10 instructions per value instead of 16.5 with the packing included (SASS of 16 values:
+// 160 against 264).
 
 // Per 16-bit half: 0xFFFF where a >= b (a > b), else 0; bf16 compare (false for NaN).
 __device__ __forceinline__ uint32_t bf16x2_ge_mask(uint32_t a, uint32_t b) {

@@ -1,10 +1,5 @@
 // A main-row lane's 16 values once they are rounded to bf16 (V41 / V41_FP4 writers), kept packed two per
-// word rather than widened back to fp32: the RoPE exchange then moves half the bytes, the tile amax takes
-// packed max instructions, and the V41_FP4 encoder consumes the words as they are (device only).
-//
-// Word order: value 8g + k sits in the low half of word 4g + k and value 8g + k + 4 in its high half
-// (g = 0, 1; k = 0..3): the (k, k + 4) pairs of e2m1_pairs.cuh, so the encoder's codes land one shift
-// from their nibbles.
+// word rather than widened back to fp32 (device only).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +11,12 @@
 
 namespace dsv4 {
 
+// Why packed: the RoPE exchange then moves half the bytes, the tile amax takes packed max instructions, and the
+// V41_FP4 encoder consumes the words as they are.
+//
+// Word order: value 8g + k sits in the low half of word 4g + k and value 8g + k + 4 in its high half
+// (g = 0, 1; k = 0..3): the (k, k + 4) pairs of e2m1_pairs.cuh, so the encoder's codes land one shift
+// from their nibbles.
 constexpr int kLaneWords = kLaneDims / 2;  // 8
 
 // The word and half that hold value i of the lane (the order above).
