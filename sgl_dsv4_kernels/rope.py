@@ -54,14 +54,17 @@ def precompute_freqs_cis(
 def rope_table_from_freqs_cis(freqs_cis: torch.Tensor) -> torch.Tensor:
     """complex64 ``[max_pos, 32]`` -> fp32 ``[max_pos, 64]`` with (Re, Im) interleaved per pair.
 
-    A zero-copy view when ``freqs_cis`` is contiguous, else a contiguous copy.
+    A zero-copy view when ``freqs_cis`` is contiguous, else a contiguous copy. The width is given explicitly:
+    ``reshape(max_pos, -1)`` cannot infer it for an empty table (max_pos = 0), which the ops then reject with
+    their own message.
     """
     if freqs_cis.dtype != torch.complex64 or freqs_cis.dim() != 2:
         raise ValueError(
             f"rope_table_from_freqs_cis: expected complex64 [max_pos, pairs], got {freqs_cis.dtype} "
             f"{list(freqs_cis.shape)}"
         )
-    return torch.view_as_real(freqs_cis.contiguous()).reshape(freqs_cis.shape[0], -1)
+    max_pos, pairs = freqs_cis.shape
+    return torch.view_as_real(freqs_cis.contiguous()).reshape(max_pos, 2 * pairs)
 
 
 def precompute_rope_table(

@@ -1015,6 +1015,27 @@ def test_rope_table_layout():
         dsv4.rope_table_from_freqs_cis(table)
 
 
+def test_empty_complex_table_reaches_the_op_check():
+    """An empty complex table (max_pos = 0; precompute_freqs_cis accepts seqlen = 0) converts to fp32 [0, 64]
+    like any other, so the writers reject it with their own message naming the op and the argument, exactly
+    as they reject the fp32 [0, 64] table."""
+    empty = dsv4.precompute_freqs_cis(64, 0, 0, 10000.0)
+    assert empty.shape == (0, 32)
+    for table in (dsv4.rope_table_from_freqs_cis(empty), dsv4.precompute_rope_table(64, 0, 0, 10000.0)):
+        assert table.dtype == torch.float32 and table.shape == (0, 64)
+    n, page_size = 2, 16
+    x, w = torch.ones(n, 512), torch.ones(512)
+    cache = torch.zeros(2, KVLayout.V41.page_bytes(page_size), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"dsv4\.fused_k_norm_rope_flashmla: freqs must be \[max_pos >= 1"):
+        dsv4.fused_k_norm_rope_flashmla(x, w, 0.0, empty, torch.arange(n), torch.arange(n), cache,
+                                        page_size=page_size, layout=1)
+    with pytest.raises(RuntimeError, match=r"dsv4\.compress_norm_rope_store: freqs must be \[max_pos >= 1"):
+        dsv4.compress_norm_rope_store(x, _plan([4] * n, [0] * n, _gen("empty table")), norm_weight=w, norm_eps=0.0,
+                                      freq_cis=empty, out_loc=torch.arange(n), kvcache=cache, page_size=page_size,
+                                      layout=1, compress_ratio=4, is_decode=True)
+    assert not cache.any()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Wrappers
 
