@@ -1158,6 +1158,16 @@ def test_store_zero_rows_is_a_no_op(device, fmt):
     assert torch.equal(buf, before)
 
 
+def test_reference_store_accepts_zero_rows_with_complex_freqs(ref, device):
+    """The oracle takes what the op takes: zero rows with an empty complex64 freqs_cis [0, 32] are a no-op."""
+    cache, buf = make_cache(V41, 2, 3, device=device, seed=8)
+    before = buf.clone()
+    rows, slots = torch.empty(0, 512, device=device), torch.empty(0, dtype=torch.int64, device=device)
+    freqs_cis = torch.empty(0, 32, device=device, dtype=torch.complex64)
+    ref.fused_store_cache(rows, cache, slots, page_size=2, layout=V41.id, freqs_cis=freqs_cis)
+    assert torch.equal(buf, before)
+
+
 def test_store_freqs_rejections(device):
     x = torch.zeros(2, 512, device=device)
     slots = torch.tensor([0, 1], device=device)

@@ -81,7 +81,7 @@ def hadamard128(v: torch.Tensor) -> torch.Tensor:
 
 def _rope_rows(freqs_cis: torch.Tensor) -> torch.Tensor:
     if freqs_cis.is_complex():
-        return torch.view_as_real(freqs_cis).reshape(freqs_cis.shape[0], -1)
+        return torch.view_as_real(freqs_cis).flatten(1)  # reshape(N, -1) fails for N = 0
     return freqs_cis
 
 
