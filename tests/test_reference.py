@@ -1004,6 +1004,17 @@ def test_round_trip_and_pages(layout, p):
     assert torch.equal(out[:, 0].view(torch.int16), deq.reshape(-1, 512)[slots].view(torch.int16))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_zero_pages_quantize_to_an_empty_cache(layout):
+    """num_pages == 0 is a legal cache (section 2): k [0, P, 512] gives uint8 [0, page_bytes] and back."""
+    for p in (1, 64):
+        pb = ref.kv_page_bytes(layout, p)
+        pages = ref.quantize_k_cache(torch.zeros(0, p, 512), layout)
+        assert pages.shape == (0, pb) and pages.dtype == torch.uint8
+        assert ref.quantize_k_cache(torch.zeros(0, p, 512), layout, page_bytes=pb + 64).shape == (0, pb + 64)
+        assert ref.dequantize_k_cache(pages, p, layout).shape == (0, p, 512)
+
+
 def test_indexer_round_trip_and_dequant():
     x = _scaled_rows(4, seed=11)[:, :128]
     q, s = ref.quantize_indexer_fp8(x)

@@ -440,8 +440,9 @@ def quantize_k_cache(k: torch.Tensor, layout, page_bytes: int | None = None) -> 
         raise ValueError(f"quantize_k_cache: page_bytes {pb} < {_page_bytes(g, p)}")
     data, scale = quantize_rows(k, layout)
     pages = torch.zeros(num_pages, pb, dtype=torch.uint8, device=k.device)
-    pages[:, : p * g.data_bytes] = data.reshape(num_pages, -1)
-    pages[:, p * g.data_bytes : p * (g.data_bytes + g.scale_bytes)] = scale.reshape(num_pages, -1)
+    # Explicit widths: reshape(num_pages, -1) cannot infer one when num_pages == 0.
+    pages[:, : p * g.data_bytes] = data.reshape(num_pages, p * g.data_bytes)
+    pages[:, p * g.data_bytes : p * (g.data_bytes + g.scale_bytes)] = scale.reshape(num_pages, p * g.scale_bytes)
     return pages
 
 
