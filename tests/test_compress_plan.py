@@ -637,6 +637,28 @@ def test_invalid_lookups_keep_counts(device):
     assert torch.equal(bad.plan.cpu(), rc) and torch.equal(bad.plan_w.cpu(), rw)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio,ring", [(4, 16), (128, 256)], ids=["c4-reqring", "c128"])
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0), (0, 0)], ids=["no-rows", "no-cols", "empty"])
+def test_request_rings_bound_rids_by_an_empty_req_to_token(device, ratio, ring, shape):
+    """A given req_to_token bounds request-ring rids by its row count (§2.2) even when it holds no element (no data
+    pointer): with 0 rows every lookup is invalid; with rows but no columns, rids below the row count stay valid
+    (p is not bounded by the column count)."""
+    r2t = torch.zeros(shape, dtype=torch.int32)
+    rids, L, E = torch.tensor([0, 1, 2, 5]), torch.tensor([9, 16, 300, 40]), torch.tensor([1, 5, 40, 8])
+    kw = dict(compress_ratio=ratio, swa_page_size=0, ring_size=ring, use_req_ring=True)
+    want_d = ref.plan_compress_decode(rids, L, r2t, None, ratio, 0, ring, True)
+    want_c, want_w = ref.plan_compress_prefill(rids, L, E, r2t, None, 54, ratio, 0, ring, True, True)
+    assert torch.all(ref.unpack_plan(want_d, "decode")["write_loc"][rids >= shape[0]] == -1)
+    got_d = dsv4.plan_compress_decode(rids.to(device), L.to(device), r2t.to(device), **kw).plan
+    assert torch.equal(got_d.cpu(), want_d)
+    lens = [(L.to(device), E.to(device))] + ([(L, E)] if device == "cuda" else [])  # GPU-input and host paths
+    for L_t, E_t in lens:
+        got = dsv4.plan_compress_prefill(rids.to(device), L_t, E_t, r2t.to(device), num_q_tokens=54,
+                                         use_cuda_graph=True, **kw)
+        assert torch.equal(got.plan.cpu(), want_c) and torch.equal(got.plan_w.cpu(), want_w)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Validation (§3.7) and opcheck
 
