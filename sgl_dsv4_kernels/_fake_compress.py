@@ -35,6 +35,8 @@ def _check_config(op, ratio, swa_page_size, ring, use_req_ring, req_to_token, fu
         torch._check(req_to_token.dim() == 2, _msg(op, "req_to_token must be 2-D"))
         torch._check(req_to_token.size(1) <= 1 or req_to_token.stride(1) == 1,
                      _msg(op, "req_to_token must have stride(1) == 1"))
+        torch._check(req_to_token.size(0) <= 1 or req_to_token.stride(0) >= req_to_token.size(1),
+                     _msg(op, f"req_to_token row stride {req_to_token.stride(0)} overlaps rows"))
     if paged:
         check_index_vector(op, "full_to_swa", full_to_swa, anchor)
 

@@ -514,7 +514,8 @@ def test_validation_names_op_and_argument(name, mutate, arg):
     mutate(a)
     with pytest.raises(RuntimeError, match=rf"compress_forward: .*{arg}"):
         _call(a)
-    with torch._subclasses.fake_tensor.FakeTensorMode(), pytest.raises(RuntimeError, match="compress_forward"):
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake_mode, pytest.raises(RuntimeError, match=rf"compress_forward: .*{arg}"):
         fa = {k: (torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) if isinstance(v, torch.Tensor) else v)
               for k, v in a.items()}
         _call(fa)

@@ -637,6 +637,28 @@ def test_invalid_lookups_keep_counts(device):
     assert torch.equal(bad.plan.cpu(), rc) and torch.equal(bad.plan_w.cpu(), rw)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio,ring", [(4, 16), (128, 256)], ids=["c4-reqring", "c128"])
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0), (0, 0)], ids=["no-rows", "no-cols", "empty"])
+def test_request_rings_bound_rids_by_an_empty_req_to_token(device, ratio, ring, shape):
+    """A given req_to_token bounds request-ring rids by its row count (§2.2) even when it holds no element (no data
+    pointer): with 0 rows every lookup is invalid; with rows but no columns, rids below the row count stay valid
+    (p is not bounded by the column count)."""
+    r2t = torch.zeros(shape, dtype=torch.int32)
+    rids, L, E = torch.tensor([0, 1, 2, 5]), torch.tensor([9, 16, 300, 40]), torch.tensor([1, 5, 40, 8])
+    kw = dict(compress_ratio=ratio, swa_page_size=0, ring_size=ring, use_req_ring=True)
+    want_d = ref.plan_compress_decode(rids, L, r2t, None, ratio, 0, ring, True)
+    want_c, want_w = ref.plan_compress_prefill(rids, L, E, r2t, None, 54, ratio, 0, ring, True, True)
+    assert torch.all(ref.unpack_plan(want_d, "decode")["write_loc"][rids >= shape[0]] == -1)
+    got_d = dsv4.plan_compress_decode(rids.to(device), L.to(device), r2t.to(device), **kw).plan
+    assert torch.equal(got_d.cpu(), want_d)
+    lens = [(L.to(device), E.to(device))] + ([(L, E)] if device == "cuda" else [])  # GPU-input and host paths
+    for L_t, E_t in lens:
+        got = dsv4.plan_compress_prefill(rids.to(device), L_t, E_t, r2t.to(device), num_q_tokens=54,
+                                         use_cuda_graph=True, **kw)
+        assert torch.equal(got.plan.cpu(), want_c) and torch.equal(got.plan_w.cpu(), want_w)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Validation (§3.7) and opcheck
 
@@ -679,6 +701,7 @@ COMMON_BAD = [
     ("no_full_to_swa", dict(full_to_swa=None), "full_to_swa"),
     ("r2t_dtype", dict(req_to_token=torch.zeros(4, 64, dtype=torch.int16)), "req_to_token"),
     ("r2t_dim", dict(req_to_token=torch.zeros(64, dtype=torch.int32)), "req_to_token"),
+    ("r2t_overlapping_rows", dict(req_to_token=torch.zeros(64, dtype=torch.int32).expand(4, 64)), "req_to_token"),
     ("f2s_dtype", dict(full_to_swa=torch.zeros(300)), "full_to_swa"),
     ("rids_dtype", dict(req_pool_indices=torch.tensor([1.0, 2.0])), "req_pool_indices"),
     ("seq_lens_len", dict(seq_lens=torch.tensor([5])), "seq_lens"),
@@ -704,7 +727,7 @@ def test_decode_validation(name, change, arg):
         _decode(a)
     mode = torch._subclasses.fake_tensor.FakeTensorMode()
     fake = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
-    with mode, pytest.raises(RuntimeError, match="plan_compress_decode"):
+    with mode, pytest.raises(RuntimeError, match=rf"plan_compress_decode: .*{arg}"):
         _decode(fake)
 
 
@@ -717,7 +740,10 @@ def test_prefill_validation(name, change, arg):
     if name not in VALUE_CHECKS:  # fakes read no values
         mode = torch._subclasses.fake_tensor.FakeTensorMode()
         fake = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
-        with mode, pytest.raises(RuntimeError, match="plan_compress_prefill"):
+        # use_cuda_graph: fixed output sizes, so that the fake fails on its checks, not on the data-dependent
+        # sizes of compact host plans (DynamicOutputShapeException, a RuntimeError naming the op).
+        fake["use_cuda_graph"] = True
+        with mode, pytest.raises(RuntimeError, match=rf"plan_compress_prefill: .*{arg}"):
             _prefill(fake)
 
 

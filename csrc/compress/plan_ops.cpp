@@ -40,6 +40,7 @@ PlanConfig check_plan_config(const char* op, int64_t ratio, int64_t swa_page_siz
   c.lookup.ring = make_divider(uint32_t(ring));
   c.lookup.paged = c.paged;
   c.lookup.req_to_token = optional_index_view(req_to_token);
+  c.lookup.has_req_to_token = req_to_token.has_value();
   if (c.paged) {
     // The planners' slot and band arithmetic is 32-bit, as for ring_size.
     DSV4_CHECK(swa_page_size > 0 && swa_page_size % ring == 0 && swa_page_size <= kMaxSeqLen, op,

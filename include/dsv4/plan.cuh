@@ -84,8 +84,10 @@ struct IndexView {
 // ---- state slot lookup (§2.2) ----
 
 struct SlotLookup {
-  IndexView req_to_token;  // [r2t_rows, r2t_cols] (row stride r2t_stride); data null when absent
+  IndexView req_to_token;  // [r2t_rows, r2t_cols] (row stride r2t_stride); data null when absent or empty
   int64_t r2t_rows, r2t_cols, r2t_stride;
+  // Whether req_to_token was given. Not `data != nullptr`: an empty table has no data but still bounds rids.
+  bool has_req_to_token;
   IndexView full_to_swa;   // [f2s_len]; paged mode only
   int64_t f2s_len;
   Divider ring;            // ring_size (< 2^31, checked on the host)
@@ -129,7 +131,7 @@ DSV4_HD int64_t paged_slot(const SlotLookup& s, int64_t swa) {
 // State row of position p of request rid in request-ring mode.
 DSV4_HD int64_t ring_slot(const SlotLookup& s, int64_t rid, int32_t p) {
   if (rid < 0 || p < 0) return -1;
-  if (s.req_to_token.data != nullptr && rid >= s.r2t_rows) return -1;
+  if (s.has_req_to_token && rid >= s.r2t_rows) return -1;
   // A larger rid gives a slot above 2^31 - 1 anyway; below it, rid * ring fits in 64 bits (the host
   // checks keep ring below 2^31).
   if (rid > kMaxSeqLen) return -1;
