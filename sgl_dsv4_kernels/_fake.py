@@ -326,6 +326,11 @@ def _c128_width(op, page_table, page_size, seq_lens):
         _is_pow2(page_size) and lo <= page_size <= hi,
         _msg(op, f"page_size must be a power of two in [{lo}, {hi}] to compute the c128 page indices, got {page_size}"),
     )
+    cps_bits = (page_size // 128).bit_length() - 1
+    most_pages = (2**63 - 1 - 63) >> cps_bits  # the page-index width must fit int64
+    torch._check(page_table.size(1) <= most_pages,
+                 _msg(op, f"page_table has too many columns; at most {most_pages} are supported at page_size "
+                          f"{page_size}"))
     cap = page_size // 128 * page_table.size(1)
     return (cap + 63) // 64 * 64
 

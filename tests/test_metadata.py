@@ -441,6 +441,29 @@ def test_page_table_rejects_bad_arguments(device):
         out(req_to_token, req, lens, 256, 128, bufs[0], bufs[1], table_, bufs[2][:2])
 
 
+def test_page_table_widths_near_int64_max():
+    # A zero-row req_to_token or page table may be arbitrarily wide. The page count ceil(max_seq_len / page_size)
+    # and the _out width check (pages - 1) * page_size < C once overflowed int64 there: the pure op raised
+    # torch's "negative dimension" error (the fake returned [0, 2^53]) and the _out twin accepted a page table
+    # wider than req_to_token holds. Real op and fake must agree.
+    op = "dsv4.build_page_table_positions_small"
+    empty = torch.zeros(0, dtype=torch.int32)
+    capacity = 2**63 - 1
+    wide = torch.empty((0, capacity), dtype=torch.int32)
+    for device in ("cpu", "meta"):
+        got = ops.build_page_table_positions_small(wide.to(device), empty.to(device), empty.to(device), capacity,
+                                                   1024, 128)
+        assert got[2].shape == (0, 2**53), device
+    req_to_token = torch.zeros((1, 1024), dtype=torch.int32)
+    scalars = [torch.empty(0, dtype=torch.int32) for _ in range(3)]
+    for columns in (2**54 + 1, 2**62):
+        table = torch.empty((0, columns), dtype=torch.int32)
+        for device in ("cpu", "meta"):
+            args = [t.to(device) for t in (req_to_token, empty, empty, *scalars[:2], table, scalars[2])]
+            with pytest.raises(RuntimeError, match=f"{op}_out: page_table has .*columns"):
+                ops.build_page_table_positions_small_out(*args[:3], 1024, 128, *args[3:])
+
+
 # ---------------------------------------------------------------------------------------------
 # §9.1, 9.3 build_low_ratio_metadata
 
@@ -667,6 +690,23 @@ def test_compression_rejects_bad_arguments(device):
     bad[4] = bufs[4][:3]
     with pytest.raises(RuntimeError, match=f"{op}_out: c128_out_loc must have size 4"):
         ops.init_compression_metadata_out(s, s, loc, page_table, 256, *bad)
+
+
+def test_compression_page_width_must_fit_int64():
+    # page_size / 128 * max_pages once overflowed int64 for a wide zero-row page table: the op returned a
+    # [0, 0] page-index tensor, or raised torch's own error, where the fake failed differently. Both now
+    # reject the table naming the op and the argument, and accept the widest table whose width fits.
+    op = "dsv4.init_compression_metadata"
+    empty = torch.zeros(0, dtype=torch.int32)
+    most = (2**63 - 64) >> 9  # page_size 65536: cps = 512
+    for device in ("cpu", "meta"):
+        s = empty.to(device)
+        for columns in (most + 1, 2**55, 2**60):
+            table = torch.empty((0, columns), dtype=torch.int32, device=device)
+            with pytest.raises(RuntimeError, match=f"{op}: page_table has .*columns"):
+                ops.init_compression_metadata(s, s, s, table, 65536, True)
+        table = torch.empty((0, most), dtype=torch.int32, device=device)
+        assert ops.init_compression_metadata(s, s, s, table, 65536, True)[8].shape == (0, (512 * most + 63) // 64 * 64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,6 +65,10 @@ bool is_pow2(int64_t v) { return v >= 1 && (v & (v - 1)) == 0; }
 
 int64_t round_up_64(int64_t v) { return (v + 63) / 64 * 64; }
 
+// ceil(a / b) for a >= 0 and b >= 1, without the overflow of (a + b - 1) / b when a is near INT64_MAX (a
+// zero-row req_to_token or page table may have any width).
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
 // Runs name##_cpu(p) or name##_cuda(p, stream) on the device of `anchor`.
 #define DSV4_RUN(op, anchor, p, name) \
   run_on_device(op, anchor, [&] { name##_cpu(p); }, [&](auto stream) { name##_cuda(p, stream); })
@@ -99,7 +103,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> build_page_table_positions_small(
   const int64_t capacity = req_to_token.size(1);
   DSV4_CHECK(max_seq_len >= 0 && max_seq_len <= capacity, op, "max_seq_len must be in [0, ", capacity,
              "] (req_to_token.size(1)), got ", max_seq_len);
-  p.pages = (max_seq_len + page_size - 1) / page_size;
+  p.pages = ceil_div(max_seq_len, page_size);
   Tensor seq_lens_out = torch::stable::new_empty(req_to_token, {p.rows}, ScalarType::Int);
   Tensor positions = torch::stable::new_empty(req_to_token, {p.rows}, ScalarType::Int);
   Tensor page_table = torch::stable::new_empty(req_to_token, {p.rows, p.pages}, ScalarType::Int);
@@ -121,9 +125,10 @@ void build_page_table_positions_small_out(Tensor req_to_token, Tensor req_pool_i
   check_dim(op, "page_table", page_table, 2);
   p.pages = page_table.size(1);
   const int64_t capacity = req_to_token.size(1);
-  DSV4_CHECK(p.pages == 0 || (p.pages - 1) * page_size < capacity, op, "page_table has ", p.pages,
-             " columns, but req_to_token.size(1) = ", capacity, " holds only ",
-             (capacity + page_size - 1) / page_size, " pages of ", page_size);
+  // (pages - 1) * page_size < capacity, compared without the product (it overflows for huge zero-row tables).
+  const int64_t capacity_pages = ceil_div(capacity, page_size);
+  DSV4_CHECK(p.pages <= capacity_pages, op, "page_table has ", p.pages, " columns, but req_to_token.size(1) = ",
+             capacity, " holds only ", capacity_pages, " pages of ", page_size);
   p.seq_lens_out = out_buffer<int32_t>(op, "seq_lens_out", seq_lens_out, req_to_token, ScalarType::Int, {p.rows});
   p.positions = out_buffer<int32_t>(op, "positions", positions, req_to_token, ScalarType::Int, {p.rows});
   p.page_table =
@@ -253,7 +258,12 @@ int64_t c128_page_geometry(const char* op, CompressionParams& p, const std::opti
              "page_size must be a power of two in [", kMinC128PageSize, ", ", kMaxC128PageSize,
              "] to compute the c128 page indices, got ", page_size);
   p.cps_bits = log2_pow2(page_size / kMinC128PageSize);
-  p.cap = page_table->size(1) << p.cps_bits;
+  // cps * max_pages, rounded up to 64, must fit int64 (only a zero-row table can be that wide).
+  const int64_t max_pages = page_table->size(1);
+  const int64_t most_pages = (INT64_MAX - 63) >> p.cps_bits;
+  DSV4_CHECK(max_pages <= most_pages, op, "page_table has ", max_pages, " columns; at most ", most_pages,
+             " are supported at page_size ", page_size, " (the page-index width must fit int64)");
+  p.cap = max_pages << p.cps_bits;
   return round_up_64(p.cap);
 }
 
