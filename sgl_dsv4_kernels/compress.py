@@ -122,7 +122,7 @@ def c2_decode_or_verify_norm_rope_store(
     op = "c2_decode_or_verify_norm_rope_store"
     return torch.ops.dsv4.c2_decode_or_verify_norm_rope_store(
         kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, float(eps),
-        as_rope_table(freqs_cis, op, "freqs_cis"), k_cache, page_size, int(ring_size), int(draft_len),
+        as_rope_table(freqs_cis, op, "freqs_cis"), k_cache, page_size, ring_size, draft_len,
         layout_argument(op, layout),
     )
 
@@ -160,7 +160,7 @@ def c2_prefill_norm_rope_store(
     op = "c2_prefill_norm_rope_store"
     return torch.ops.dsv4.c2_prefill_norm_rope_store(
         kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, float(eps),
-        as_rope_table(freqs_cis, op, "freqs_cis"), k_cache, extend_starts, extend_lens, page_size, int(ring_size),
+        as_rope_table(freqs_cis, op, "freqs_cis"), k_cache, extend_starts, extend_lens, page_size, ring_size,
         layout_argument(op, layout),
     )
 
@@ -333,8 +333,8 @@ def plan_compress_decode(
     and c4 with ``use_req_ring=True`` address request rings ``rid * ring + p % ring``. With ``out``
     (uint8 ``[B, 16]``) the plan is written there (``plan_compress_decode_out``).
     """
-    args = (req_pool_indices, seq_lens, req_to_token, full_to_swa, int(compress_ratio), int(swa_page_size),
-            int(ring_size), bool(use_req_ring))
+    args = (req_pool_indices, seq_lens, req_to_token, full_to_swa, compress_ratio, swa_page_size,
+            ring_size, bool(use_req_ring))
     if out is None:
         plan = torch.ops.dsv4.plan_compress_decode(*args)
     else:
@@ -367,8 +367,8 @@ def plan_compress_prefill(
     ``out=(plan_c, plan_w)`` (``[num_q_tokens, 16]`` / ``[num_q_tokens, 8]``, one device) the
     plans are written there (``plan_compress_prefill_out``).
     """
-    args = (req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_swa, int(num_q_tokens),
-            int(compress_ratio), int(swa_page_size), int(ring_size), bool(use_req_ring))
+    args = (req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_swa, num_q_tokens,
+            compress_ratio, swa_page_size, ring_size, bool(use_req_ring))
     if out is None:
         plan_c, plan_w = torch.ops.dsv4.plan_compress_prefill(*args, bool(use_cuda_graph))
     else:
@@ -410,5 +410,5 @@ def compress_forward(
         if compress_ratio is None or is_decode is None:
             raise TypeError("compress_forward: a raw plan tensor needs explicit compress_ratio and is_decode")
         plan_tensor = plan
-    return torch.ops.dsv4.compress_forward(state, kv_score_input, ape, plan_tensor, plan_w, int(head_dim),
-                                           int(compress_ratio), bool(is_decode))
+    return torch.ops.dsv4.compress_forward(state, kv_score_input, ape, plan_tensor, plan_w, head_dim,
+                                           compress_ratio, bool(is_decode))

@@ -85,6 +85,6 @@ def compress_norm_rope_store(
         raise TypeError(f"{op}: plan must be a CompressPlan or a uint8 [N, 16] tensor, got {type(plan).__name__}")
     torch.ops.dsv4.compress_norm_rope_store(
         kv, plan_tensor, norm_weight, float(norm_eps), as_rope_table(freq_cis, op, "freq_cis"), out_loc, kvcache,
-        page_size=page_size, compress_ratio=int(compress_ratio), is_decode=bool(is_decode),
+        page_size=page_size, compress_ratio=compress_ratio, is_decode=bool(is_decode),
         layout=layout_argument(op, layout), use_fp4=bool(use_fp4),
     )

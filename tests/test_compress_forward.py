@@ -542,6 +542,17 @@ def test_wrapper_rules():
         plan.plan = None  # frozen
 
 
+def test_wrapper_passes_integers_unconverted():
+    """head_dim = 128.5 and compress_ratio = 4.5 reach the op's schema, which names the op and the argument (an
+    int() in the wrapper would truncate them and run)."""
+    a = _args()
+    for name, value in (("head_dim", 128.5), ("compress_ratio", 4.5)):
+        kwargs = dict(head_dim=a["head_dim"], compress_ratio=a["compress_ratio"], is_decode=True)
+        kwargs[name] = value
+        with pytest.raises(RuntimeError, match=rf"compress_forward\(\) .* argument '{name}'"):
+            dsv4.compress_forward(a["state"], a["kv_score_input"], a["ape"], a["plan"], **kwargs)
+
+
 def test_state_utilities():
     s = dsv4.alloc_compress_state(4, 128, 3, 16, torch.bfloat16)
     assert s.shape == (3 * 16 + 4, 512) and s.dtype == torch.bfloat16

@@ -719,6 +719,23 @@ PREFILL_BAD = COMMON_BAD + [
 VALUE_CHECKS = {"extend_gt_seq", "extend_negative", "seq_too_long", "seq_negative", "sum_extend"}
 
 
+@pytest.mark.parametrize("arg", ["compress_ratio", "swa_page_size", "ring_size"])
+def test_wrappers_pass_integers_unconverted(arg):
+    """A float integer argument reaches the op's schema, which rejects it naming the op and the argument (an
+    int() in the wrapper would truncate 16.5 to 16 and plan with it)."""
+    a = _decode_args()
+    a[arg] = a[arg] + 0.5
+    kwargs = {k: a[k] for k in ("compress_ratio", "swa_page_size", "ring_size")}
+    with pytest.raises(RuntimeError, match=rf"plan_compress_decode\(\) .* argument '{arg}'"):
+        dsv4.plan_compress_decode(a["req_pool_indices"], a["seq_lens"], a["req_to_token"], a["full_to_swa"], **kwargs)
+    p = _prefill_args()
+    p[arg] = p[arg] + 0.5
+    kwargs = {k: p[k] for k in ("num_q_tokens", "compress_ratio", "swa_page_size", "ring_size")}
+    with pytest.raises(RuntimeError, match=rf"plan_compress_prefill\(\) .* argument '{arg}'"):
+        dsv4.plan_compress_prefill(p["req_pool_indices"], p["seq_lens"], p["extend_lens"], p["req_to_token"],
+                                   p["full_to_swa"], **kwargs)
+
+
 @pytest.mark.parametrize("name,change,arg", COMMON_BAD, ids=[b[0] for b in COMMON_BAD])
 def test_decode_validation(name, change, arg):
     a = _decode_args()

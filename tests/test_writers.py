@@ -1100,6 +1100,10 @@ def test_wrapper_errors_name_the_op_and_the_argument():
     for bad_plan in (None, plan.numpy(), [plan]):
         with pytest.raises(TypeError, match=r"^compress_norm_rope_store: plan must be"):
             compress(plan=bad_plan)
+    # Integers reach the op unconverted: its schema rejects 4.5 (an int() would have run ratio 4).
+    with pytest.raises(RuntimeError, match=r"compress_norm_rope_store\(\) .* argument 'compress_ratio'"):
+        dsv4.compress_norm_rope_store(x, plan, norm_weight=w, norm_eps=eps, freq_cis=TABLE, out_loc=loc,
+                                      kvcache=cache, page_size=page_size, compress_ratio=4.5, is_decode=True)
     assert not cache.any(), "no error path writes"
     k_writer(freqs=fc, layout=KVLayout.V41)  # the accepted forms still work
     compress(freqs=fc, layout=1)

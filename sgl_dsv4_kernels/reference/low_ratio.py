@@ -20,7 +20,7 @@ _D = 512  # latent width; a c2 projection row is kv [512] then score [512]
 def _rope_table(freqs: torch.Tensor) -> torch.Tensor:
     """fp32 [max_pos, 64] from the fp32 table or complex64 freqs_cis [max_pos, 32]."""
     if freqs.is_complex():
-        return torch.view_as_real(freqs).reshape(freqs.shape[0], -1)
+        return torch.view_as_real(freqs).flatten(1)  # reshape(N, -1) fails for N = 0
     return freqs.to(torch.float32)
 
 
