@@ -7,6 +7,7 @@ import torch  # noqa: F401  (the extension needs libtorch loaded first)
 from . import _C  # noqa: F401  registers torch.ops.dsv4.*
 from . import _fake  # noqa: F401  registers the fake (meta) implementations
 from . import _fake_compress  # noqa: F401  fakes of the c4/c128 planners and compressor
+from . import _autograd  # noqa: F401  declares every op non-differentiable
 from .cache import (
     dequantize_k_cache_paged,
     fake_quant_compressed_kv,
