@@ -66,8 +66,8 @@ def test_every_step_matches_the_reference_model(device, kind):
     assert len(reports) >= 50
     assert not failures(reports), "\n".join(failures(reports)[:20])
     names = {c.name for c in reports[0].checks}
-    assert {"metadata", "compressor output", "cache and state bytes", "dequantized SWA rows",
-            "dequantized compressed rows"} <= names
+    assert {"metadata", "compressor output", "compressor output vs history", "cache and state bytes",
+            "dequantized SWA rows", "dequantized compressed rows"} <= names
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -275,3 +275,29 @@ def test_verify_of_unequal_widths_is_refused(kind):
     prefill()
     with pytest.raises(ValueError, match="same number of tokens"):
         verify()
+
+
+def _c128_verify_at_126():
+    """A verify from prefix 126 that accepts only its root: with a plain 128-row ring it writes no ring row
+    (compressors.md §3.5), and the next decode emits entry 0 from the never-written row of position 126."""
+    from sgl_dsv4_kernels.pipeline import Action
+
+    schedule = [Action("prefill", {"a": 123}), *Action.repeat("decode", 3), Action("verify"),
+                *Action.repeat("decode", 2)]
+    assert schedule[4].mode == "verify"  # accepts (4 + 0) % 4 + 1 = 1 token
+    return schedule
+
+
+@pytest.mark.parametrize("kind,schedule", [(LayerKind.V4_C4, None), (LayerKind.V4_C128, _c128_verify_at_126())],
+                         ids=["v4_c4", "v4_c128"])
+def test_history_check_catches_a_ring_mistake_shared_with_the_reference(kind, schedule, monkeypatch):
+    """The reference model keeps state rings as the driver does, with the driver's ring size, so a ring too small
+    for the verify width (upstream's hard-coded pad, compressors.md §3.5) corrupts later entries of both alike and
+    every other check passes; the ring-free check against the requests' committed rows fails."""
+    from sgl_dsv4_kernels.pipeline import kinds as kinds_module
+
+    monkeypatch.setattr(layer_module, "state_ring", lambda kind, verify_width: kinds_module.state_ring(kind, 0))
+    monkeypatch.setattr(layer_module.C, "check_ring_serves_draft_tokens", lambda *args: None)
+    reports = run_session([kind], schedule=schedule)
+    bad = {c.name for r in reports for c in r.checks if not c.ok}
+    assert bad == {"compressor output vs history"}, failures(reports)[:5]
