@@ -20,6 +20,40 @@ def _device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def _device_argument(text: str) -> str:
+    """--device: auto, cpu, cuda or cuda:N."""
+    try:
+        ok = text == "auto" or torch.device(text).type in ("cpu", "cuda")
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"invalid device {text!r} (auto, cpu or cuda)")
+    return text
+
+
+def _int_argument(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+
+
+def _rows_argument(text: str) -> int:
+    """--rows: at least one row (a selftest of no rows checks nothing, yet passes)."""
+    rows = _int_argument(text)
+    if rows < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {rows}")
+    return rows
+
+
+def _page_size_argument(text: str) -> int:
+    """--page-size: a power of two in [1, 1024], as every cache op requires."""
+    size = _int_argument(text)
+    if not 1 <= size <= 1024 or size & (size - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two in [1, 1024], got {size}")
+    return size
+
+
 def info() -> int:
     import sgl_dsv4_kernels as dsv4
 
@@ -135,9 +169,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="build and op summary")
     st = sub.add_parser("selftest", help="write, read back and check every cache format")
-    st.add_argument("--device", default="auto", help="auto (GPU if present), cpu or cuda")
-    st.add_argument("--rows", type=int, default=333)
-    st.add_argument("--page-size", type=int, default=64)
+    st.add_argument("--device", default="auto", type=_device_argument, help="auto (GPU if present), cpu or cuda")
+    st.add_argument("--rows", type=_rows_argument, default=333, help="rows written per cache format (>= 1)")
+    st.add_argument("--page-size", type=_page_size_argument, default=64,
+                    help="tokens per cache page, a power of two in [1, 1024]")
     st.add_argument("--pipeline", action="store_true",
                     help="also drive one layer of each kind through a serving session beside the reference model")
     st.add_argument("--decode-mode", default="auto", choices=["auto", "eager", "graph", "compiled"],
@@ -150,6 +185,11 @@ def main(argv=None) -> int:
         return info()
     if args.command == "selftest":
         device = _device(args.device)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda" and (device.index or 0) >= gpus:
+            st.error(f"argument --device: {args.device} asked for, but there is no such CUDA GPU")
+        if args.pipeline and args.decode_mode == "graph" and device.type != "cuda":
+            st.error("argument --decode-mode: graph replays a CUDA graph, which needs a CUDA device")
         status = selftest(device, args.rows, args.page_size)
         if args.pipeline:
             status |= pipeline_selftest(device, args.decode_mode)

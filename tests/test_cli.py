@@ -209,7 +209,17 @@ def test_selftest_reports_a_mismatch_and_fails():
     (["bogus"], "invalid choice: 'bogus'"),
     (["selftest", "--bogus"], "unrecognized arguments: --bogus"),
     (["selftest", "--decode-mode", "fast"], "argument --decode-mode: invalid choice: 'fast'"),
-], ids=["none", "bad-command", "bad-option", "bad-choice"])
+    # A selftest of no rows checked nothing and printed "all passed"; the others ended in a traceback.
+    (["selftest", "--rows", "0"], "argument --rows: must be >= 1, got 0"),
+    (["selftest", "--rows", "-5"], "argument --rows: must be >= 1, got -5"),
+    (["selftest", "--page-size", "0"], "argument --page-size: must be a power of two in [1, 1024], got 0"),
+    (["selftest", "--page-size", "3"], "argument --page-size: must be a power of two in [1, 1024], got 3"),
+    (["selftest", "--device", "bogus"], "argument --device: invalid device 'bogus' (auto, cpu or cuda)"),
+    (["selftest", "--device", "meta"], "argument --device: invalid device 'meta' (auto, cpu or cuda)"),
+    (["selftest", "--device", "cpu", "--pipeline", "--decode-mode", "graph"],
+     "argument --decode-mode: graph replays a CUDA graph, which needs a CUDA device"),
+], ids=["none", "bad-command", "bad-option", "bad-choice", "rows0", "rows-negative", "page-size0", "page-size3",
+        "bad-device", "meta-device", "graph-on-cpu"])
 def test_bad_usage_exits_nonzero_with_usage(args, message):
     proc = _cli(*args)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
@@ -218,6 +228,13 @@ def test_bad_usage_exits_nonzero_with_usage(args, message):
         assert all(command in proc.stderr.splitlines()[-1] for command in ("info", "selftest", "bench"))
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""  # nothing ran
+
+
+def test_selftest_on_cuda_without_a_gpu_is_a_usage_error():
+    proc = _cli("selftest", "--device", "cuda", CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert USAGE in proc.stderr and "argument --device: cuda asked for, but there is no such CUDA GPU" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
 def test_bench_without_a_gpu_exits_1():

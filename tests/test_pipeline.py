@@ -66,8 +66,8 @@ def test_every_step_matches_the_reference_model(device, kind):
     assert len(reports) >= 50
     assert not failures(reports), "\n".join(failures(reports)[:20])
     names = {c.name for c in reports[0].checks}
-    assert {"metadata", "compressor output", "cache and state bytes", "dequantized SWA rows",
-            "dequantized compressed rows"} <= names
+    assert {"metadata", "compressor output", "compressor output vs history", "cache and state bytes",
+            "dequantized SWA rows", "dequantized compressed rows"} <= names
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -231,3 +231,73 @@ def test_rings_follow_the_verify_width_and_decode_batches_are_checked():
         assert layer.ring == dsv4.state_ring_size(ratio, 10)
     with pytest.raises(ValueError, match="decode batch"):
         layer.load_decode(pool.step_inputs(StepBatch("decode", [], [], [], padded_rows=3)), layer.decode_rows)
+
+
+
+def _verify_steps(kind, widths):
+    """A prefill (37, 20, 51 tokens) and then a verify of ``widths`` for a layer of ``kind`` built for
+    VERIFY_WIDTH: two callables, to be called in order."""
+    layer, pool = _small_layer(kind, decode_batch=2, verify_width=VERIFY_WIDTH)
+    rids = [pool.admit() for _ in widths]
+    gen = torch.Generator().manual_seed(5)
+    prefill = StepBatch("prefill", rids, [0] * len(rids), [37, 20, 51][:len(rids)])
+    verify = StepBatch("verify", rids, prefill.extend_lens, list(widths), accept_lens=[1] * len(rids))
+
+    def run(batch):
+        for rid, prefix, extend in zip(batch.rids, batch.prefix_lens, batch.extend_lens):
+            pool.reserve(rid, prefix + extend)
+        pool.sync_tables()
+        layer.extend(batch, pool.step_inputs(batch), layer_module.LayerRows.random(kind, batch.num_tokens, gen))
+        pool.commit(batch)
+
+    return lambda: run(prefill), lambda: run(verify)
+
+
+@pytest.mark.parametrize("kind,capacity", [(LayerKind.V4_C4, 10), (LayerKind.V4_C128, 130)], ids=["c4", "c128"])
+def test_verify_wider_than_the_ring_serves_is_refused(kind, capacity):
+    """A verify plans like a long extend, so a ring too small for its width leaves stale ring rows and corrupts
+    later compressed entries without an error (compressors.md §3.5): the layer refuses such a step (the
+    startup guard's rule), and still runs the widest one its ring serves."""
+    prefill, verify = _verify_steps(kind, [capacity + 1] * 2)
+    prefill()
+    with pytest.raises(ValueError, match="grow the ring"):
+        verify()
+    prefill, verify = _verify_steps(kind, [capacity] * 2)
+    prefill()
+    verify()
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+def test_verify_of_unequal_widths_is_refused(kind):
+    """c2 pairs verify rows in blocks of draft_len = the first request's width: with other widths an odd row
+    would pool with another request's row (a wrong latent and cache row, no error)."""
+    prefill, verify = _verify_steps(kind, [4, 2, 2])
+    prefill()
+    with pytest.raises(ValueError, match="same number of tokens"):
+        verify()
+
+
+def _c128_verify_at_126():
+    """A verify from prefix 126 that accepts only its root: with a plain 128-row ring it writes no ring row
+    (compressors.md §3.5), and the next decode emits entry 0 from the never-written row of position 126."""
+    from sgl_dsv4_kernels.pipeline import Action
+
+    schedule = [Action("prefill", {"a": 123}), *Action.repeat("decode", 3), Action("verify"),
+                *Action.repeat("decode", 2)]
+    assert schedule[4].mode == "verify"  # accepts (4 + 0) % 4 + 1 = 1 token
+    return schedule
+
+
+@pytest.mark.parametrize("kind,schedule", [(LayerKind.V4_C4, None), (LayerKind.V4_C128, _c128_verify_at_126())],
+                         ids=["v4_c4", "v4_c128"])
+def test_history_check_catches_a_ring_mistake_shared_with_the_reference(kind, schedule, monkeypatch):
+    """The reference model keeps state rings as the driver does, with the driver's ring size, so a ring too small
+    for the verify width (upstream's hard-coded pad, compressors.md §3.5) corrupts later entries of both alike and
+    every other check passes; the ring-free check against the requests' committed rows fails."""
+    from sgl_dsv4_kernels.pipeline import kinds as kinds_module
+
+    monkeypatch.setattr(layer_module, "state_ring", lambda kind, verify_width: kinds_module.state_ring(kind, 0))
+    monkeypatch.setattr(layer_module.C, "check_ring_serves_draft_tokens", lambda *args: None)
+    reports = run_session([kind], schedule=schedule)
+    bad = {c.name for r in reports for c in r.checks if not c.ok}
+    assert bad == {"compressor output vs history"}, failures(reports)[:5]

@@ -252,6 +252,8 @@ class KVLayer:
     def extend(self, batch: StepBatch, inputs: StepInputs, rows: LayerRows) -> StepResult:
         """Prefill, chunked extend or speculative verify (``batch.mode == "verify"``: every request verifies
         ``batch.draft_len`` tokens; the host commits the accepted ones afterwards)."""
+        if batch.mode == "verify":
+            self._check_verify(batch)
         x, rows = inputs.to(self.device), rows.to(self.device)
         meta = self._allocate_metadata(x.num_tokens, len(batch.rids), is_decode=False)
         self._build_metadata(x, meta, is_decode=False)
@@ -261,6 +263,17 @@ class KVLayer:
 
     def capture_decode_graph(self) -> "DecodeGraph":
         return DecodeGraph(self)
+
+    def _check_verify(self, batch: StepBatch) -> None:
+        """What the kernels cannot check of a verify step (to them it is an extend): c2 pairs a verify's rows
+        in blocks of ``draft_len`` (compressors.md §5.3), so every request verifies that many tokens; and a
+        verify wider than a c4 / c128 ring serves would leave stale ring rows, silently (§3.5: the startup
+        guard's rule, applied to the step's own width)."""
+        if any(e != batch.draft_len for e in batch.extend_lens):
+            raise ValueError(f"verify: every request must verify the same number of tokens, got "
+                             f"{batch.extend_lens}")
+        if self.spec.ratio in (4, 128):
+            C.check_ring_serves_draft_tokens(self.spec.ratio, self.ring, batch.draft_len)
 
     # ---- the pieces of a step ----
 

@@ -5,19 +5,25 @@ computes nothing through the extension.
 
 Where the driver takes a shortcut, the model follows the specs' definitions instead: c2 verify and extend
 are successive decode calls (compressors.md §5.3, §5.5), and every plan is the literal per-token reference planner.
+
+The model keeps state rings as the driver does, so a mistake they share (a ring too small for the verify width,
+a write set that misses a row the next step reads) gives both the same wrong entries. Each step therefore also
+computes the compressor outputs from every request's committed rows, with no ring at all (compressors.md §4.5
+history): ``ReferenceStep.truth``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..metadata import CompressionMetadata, LowRatioMetadata, PageTablePositions  # named tuples only
 from ..pipeline.kinds import FULL_PAGE_SIZE, INDEXER_DIM, SWA_WINDOW, LayerKind
 from ..pipeline.pool import StepBatch, StepInputs
-from .compress import compress_forward
-from .low_ratio import _store_latents, c1_decode_norm_rope_store, c2_decode_or_verify_norm_rope_store
+from .compress import compress_entries_fp64, compress_forward
+from .low_ratio import (_latent, _store_latents, c1_decode_norm_rope_store, c2_decode_or_verify_norm_rope_store,
+                        pair_pool)
 from .metadata import (build_low_ratio_metadata, build_page_table_positions_small, get_paged_mqa_logits_metadata,
                        init_compression_metadata)
 from .plans import plan_compress_decode, plan_compress_prefill
@@ -44,6 +50,11 @@ class ReferenceStep:
     mqa_schedule: Optional[torch.Tensor]
     compressed: torch.Tensor
     indexer_compressed: Optional[torch.Tensor]
+    # The compressor outputs of the step's live rows (the first sum(extend_lens)) from the requests' committed
+    # rows, without state rings: c4 / c128 fp64 truth in the driver's row order (zero where nothing is
+    # emitted), c1 / c2 latents.
+    truth: Optional[torch.Tensor] = None
+    indexer_truth: Optional[torch.Tensor] = None
 
 
 class ReferenceLayer:
@@ -59,6 +70,8 @@ class ReferenceLayer:
         # c1 / c2 latents are computed here against a cache with no pages (every slot invalid), then stored
         # from the rows the caller chooses (see `step`).
         self._no_pages = torch.zeros(0, kv_page_bytes(int(self.spec.compressed_layout), ps), dtype=torch.uint8)
+        # rid -> committed projection rows (and C4 indexer rows) of its positions 0, 1, ...
+        self.history: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
 
     def step(self, batch: StepBatch, x: StepInputs, rows, req_to_token: torch.Tensor, full_to_swa: torch.Tensor,
              stored: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None) -> ReferenceStep:
@@ -83,7 +96,56 @@ class ReferenceLayer:
             lengths = result.low_ratio.c1_seq_lens if spec.ratio == 1 else result.low_ratio.c2_seq_lens
         if spec.has_mqa_schedule:
             result.mqa_schedule = get_paged_mqa_logits_metadata(lengths, MQA_BLOCK_KV, self.num_sms)
+        self._truth(batch, rows, result)
         return result
+
+    # ---- the ring-free truth (compressors.md §1, §4.5) ----
+
+    def _truth(self, batch: StepBatch, rows, result: ReferenceStep) -> None:
+        """Sets ``result.truth`` / ``indexer_truth`` from each request's committed rows and this step's rows,
+        then commits the step's accepted rows to the history."""
+        spec, w, r = self.spec, self.weights, self.spec.ratio
+        n = sum(batch.extend_lens)
+        truth = torch.zeros(n, HEAD_DIM, dtype=torch.float64 if r in (4, 128) else torch.float32)
+        index_truth = torch.zeros(n, INDEXER_DIM, dtype=torch.float64) if spec.has_indexer else None
+        emitted, off, windows = 0, 0, {}
+        none_yet = (rows.projection[:0], None if index_truth is None else rows.index_projection[:0])
+        for b, (rid, prefix, extend) in enumerate(zip(batch.rids, batch.prefix_lens, batch.extend_lens)):
+            past, past_index = self.history.get(rid, none_yet) if prefix > 0 else none_yet  # a slot reused at 0
+            if past.shape[0] < prefix:
+                raise ValueError(f"ReferenceLayer: request {rid} starts at {prefix}, but the model saw only "
+                                 f"{past.shape[0]} of its tokens")
+            x = torch.cat([past[:prefix], rows.projection[off:off + extend]])
+            xi = None if past_index is None else torch.cat([past_index[:prefix],
+                                                            rows.index_projection[off:off + extend]])
+            windows[rid] = (x, xi, prefix)
+            for p in range(prefix, prefix + extend):
+                row = off + p - prefix
+                if r in (4, 128):
+                    if (p + 1) % r:
+                        continue
+                    at = b if batch.is_decode else emitted  # decode row b; prefill plan rows in emission order
+                    emitted += 1
+                    truth[at] = self._entry(x, w.ape, p // r, HEAD_DIM)
+                    if xi is not None:
+                        index_truth[at] = self._entry(xi, w.index_ape, p // r, INDEXER_DIM)
+                elif r == 1:
+                    truth[row] = _latent(x[p:p + 1], w.compress_norm, EPS).float()[0]
+                elif p % 2 == 1:
+                    even, odd = x[p - 1:p + 1].float()
+                    pooled = pair_pool(even[:HEAD_DIM], even[HEAD_DIM:], odd[:HEAD_DIM], odd[HEAD_DIM:])
+                    truth[row] = _latent(pooled.to(torch.bfloat16)[None], w.compress_norm, EPS).float()[0]
+            off += extend
+        result.truth, result.indexer_truth = truth, index_truth
+        for rid, accepted in zip(batch.rids, batch.committed):
+            x, xi, prefix = windows[rid]
+            self.history[rid] = (x[:prefix + accepted], None if xi is None else xi[:prefix + accepted])
+
+    def _entry(self, x: torch.Tensor, ape: torch.Tensor, g: int, head_dim: int) -> torch.Tensor:
+        """Entry g of the rows ``x`` of positions 0, 1, ... (c4 reads chunks g - 1 and g, c128 chunk g)."""
+        r = self.spec.ratio
+        start = max(g - 1, 0) * r if r == 4 else g * r
+        return compress_entries_fp64(x[start:(g + 1) * r], ape, r, head_dim)[-1]
 
     # ---- c4 / c128 (compressors.md §3, §4; cache-writers.md §4) ----
 
