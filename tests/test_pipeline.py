@@ -233,7 +233,6 @@ def test_rings_follow_the_verify_width_and_decode_batches_are_checked():
         layer.load_decode(pool.step_inputs(StepBatch("decode", [], [], [], padded_rows=3)), layer.decode_rows)
 
 
-
 def _verify_steps(kind, widths):
     """A prefill (37, 20, 51 tokens) and then a verify of ``widths`` for a layer of ``kind`` built for
     VERIFY_WIDTH: two callables, to be called in order."""
