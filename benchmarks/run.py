@@ -322,6 +322,9 @@ def main():
     if args.no_torch:
         os.environ["DSV4_BENCH_NO_TORCH"] = "1"
     wanted = [f for f in args.only.split(",") if f] or list(FAMILIES)
+    unknown = [f for f in wanted if f not in FAMILIES]
+    if unknown:
+        parser.error(f"argument --only: unknown families {unknown} (choose from {', '.join(FAMILIES)})")
     bench = Bench()
     empty_us = bench.empty_kernel_us()
     print(f"copy bandwidth {bench.copy_gbps:.0f} GB/s, empty kernel {empty_us:.2f} us")

@@ -175,8 +175,9 @@ def main(argv=None) -> int:
                     help="tokens per cache page, a power of two in [1, 1024]")
     st.add_argument("--pipeline", action="store_true",
                     help="also drive one layer of each kind through a serving session beside the reference model")
-    st.add_argument("--decode-mode", default="auto", choices=["auto", "eager", "graph", "compiled"],
-                    help="how --pipeline runs decode steps (auto: CUDA graph on a GPU, eager on the CPU)")
+    st.add_argument("--decode-mode", default=None, choices=["auto", "eager", "graph", "compiled"],
+                    help="how --pipeline runs decode steps (auto, the default: CUDA graph on a GPU, eager on the "
+                         "CPU)")
     bench = sub.add_parser("bench", help="run the benchmarks (GPU only); the pipeline family reports the whole "
                                          "decode step per layer kind beside the sum of its ops")
     bench.add_argument("--only", default="", help="comma-separated families of benchmarks/run.py, e.g. pipeline")
@@ -188,11 +189,13 @@ def main(argv=None) -> int:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.type == "cuda" and (device.index or 0) >= gpus:
             st.error(f"argument --device: {args.device} asked for, but there is no such CUDA GPU")
+        if args.decode_mode is not None and not args.pipeline:  # it would be ignored
+            st.error("argument --decode-mode: only --pipeline runs decode steps")
         if args.pipeline and args.decode_mode == "graph" and device.type != "cuda":
             st.error("argument --decode-mode: graph replays a CUDA graph, which needs a CUDA device")
         status = selftest(device, args.rows, args.page_size)
         if args.pipeline:
-            status |= pipeline_selftest(device, args.decode_mode)
+            status |= pipeline_selftest(device, args.decode_mode or "auto")
         return status
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU")

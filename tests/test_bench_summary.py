@@ -226,6 +226,19 @@ def test_compact_cli(tmp_path):
     assert proc.stdout == bench_run.compact_summary(_rows()) + "\n"
 
 
+
+def test_unknown_family_is_a_usage_error():
+    """`--only` with a misspelt family stops before any measuring (it used to end in a KeyError after the copy
+    roofline), naming the argument, the unknown name and the choices."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--only", "writers,writer"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "argument --only: unknown families ['writer']" in proc.stderr
+    assert all(family in proc.stderr for family in bench_run.FAMILIES)
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "benchmarks", "results", "*.md"))),
                          ids=os.path.basename)
 def test_committed_tables(path):

@@ -218,8 +218,10 @@ def test_selftest_reports_a_mismatch_and_fails():
     (["selftest", "--device", "meta"], "argument --device: invalid device 'meta' (auto, cpu or cuda)"),
     (["selftest", "--device", "cpu", "--pipeline", "--decode-mode", "graph"],
      "argument --decode-mode: graph replays a CUDA graph, which needs a CUDA device"),
+    # Without --pipeline no decode step runs, so the mode was silently ignored.
+    (["selftest", "--device", "cpu", "--decode-mode", "eager"], "argument --decode-mode: only --pipeline runs"),
 ], ids=["none", "bad-command", "bad-option", "bad-choice", "rows0", "rows-negative", "page-size0", "page-size3",
-        "bad-device", "meta-device", "graph-on-cpu"])
+        "bad-device", "meta-device", "graph-on-cpu", "mode-without-pipeline"])
 def test_bad_usage_exits_nonzero_with_usage(args, message):
     proc = _cli(*args)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
