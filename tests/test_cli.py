@@ -94,8 +94,11 @@ def _check_pipeline_passes(stdout, decode_mode):
         if m:
             final[(m.group(1), m.group(2))] = (m.group(3), int(m.group(4)), m.group(5))
     assert {kind for kind, _ in final} == {k.value for k in LayerKind}
-    for check in ("metadata", "compressor output", "cache and state bytes", "dequantized SWA rows",
-                  "dequantized compressed rows"):
+    checks = ["metadata", "compressor output", "cache and state bytes", "dequantized SWA rows",
+              "dequantized compressed rows"]
+    if decode_mode != "eager":  # every step is also compared with the eager twin, tallied apart
+        checks += ["twin: metadata and outputs", "twin: cache and state bytes"]
+    for check in checks:
         assert all((k.value, check) in final for k in LayerKind), check
     for key, (result, n, failed) in final.items():
         assert (result, n, failed.strip()) == ("PASS", steps, ""), key
@@ -163,6 +166,16 @@ def test_selftest_pipeline_cpu():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     _check_all_formats_pass(proc.stdout, "cpu", 333, 64)
     _check_pipeline_passes(proc.stdout, "eager")
+
+
+
+def test_selftest_pipeline_cpu_compiled_beside_a_twin():
+    """Decode steps compiled on the CPU run beside an eager twin; its comparisons are tallied apart from the
+    reference checks (they shared a name, so the GPU's graph mode counted 104 of 52 steps), each once per step."""
+    proc = _cli("selftest", "--device", "cpu", "--rows", "16", "--pipeline", "--decode-mode", "compiled")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "decode steps compiled (beside an eager twin)" in proc.stdout
+    _check_pipeline_passes(proc.stdout, "compiled")
 
 
 _CORRUPTED_REFERENCE = textwrap.dedent(
