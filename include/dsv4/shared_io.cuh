@@ -1,8 +1,9 @@
-// Shared-memory accesses by shared-space address (a 32-bit register a loop computes once). Through a
-// generic pointer the compiler redoes the conversion at each access under register pressure (a
-// special-register read and three more instructions), e.g. twice per row in the writers' RoPE exchange.
-// Each access is volatile with a memory clobber: it stays where the code puts it relative to __syncwarp
-// and the other memory accesses.
+// Shared-memory accesses by shared-space address, a 32-bit value a kernel computes once. Under register
+// pressure the compiler recomputes a shared array's address from the block's shared window at each use (a
+// special-register read and three more instructions; twice per row in the pipelined K writer's RoPE
+// exchange); from opaque_shared_address it cannot, and these accessors take the value as it is. Each access
+// is volatile with a memory clobber: it stays where the code puts it relative to __syncwarp and the other
+// memory accesses.
 #pragma once
 
 #include <cuda_runtime.h>

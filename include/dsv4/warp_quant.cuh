@@ -78,7 +78,7 @@ __device__ __forceinline__ void store_e4m3_lane(const float* x, uint8_t scale_by
 // Bf16Values: every x is bf16-representable, which lets V41_FP4 encode pairs (e2m1_pairs.cuh); same bytes.
 // WholeWarp: every lane of the warp makes this call, so the tile-amax shuffles name the whole warp (a constant
 // mask spares the convergence check that the compiler puts before shuffles with a computed mask).
-// V4TailStored: the caller has stored V4's RoPE dims (rotate_tail_to_bf16_across_warp), so their lanes store nothing.
+// V4TailStored: the caller has stored V4's RoPE dims (rotate_tail_to_bf16_across_warp); their lanes store nothing.
 template <KVLayout L, bool Bf16Values, int LaneDims = kLaneDims, bool WholeWarp = false, bool V4TailStored = false>
 __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint8_t* data, uint8_t* scale) {
   constexpr int kTile = LayoutTraits<L>::kTile;

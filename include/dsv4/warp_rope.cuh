@@ -22,9 +22,9 @@ __device__ __forceinline__ float2 load_table_pair(const float* table_row, int la
   return make_float2(load_input(src), load_input(src + 1));
 }
 
-// The warp's exchange area for the tail rotation below: 32 float2 (256 bytes, 16-byte aligned) of shared
-// memory, by shared-space address (shared_io.cuh), which a kernel computes once.
-
+// Both rotations below exchange the tail through `tail_at`: the warp's 32 float2 (256 bytes, 16-byte aligned)
+// of shared memory, by shared-space address (shared_io.cuh), which a kernel computes once.
+//
 // Rotates V4's fp32 tail (the 64 dims held by lanes 28..31, 16 each) one pair per lane and stores it as bf16
 // at `dst` (the row's RoPE bytes, 4-byte aligned): the tail lanes put their values in the exchange area,
 // lane l rotates pair l and stores its rounded pair at dst + 4l. One pair of work on all lanes instead of
@@ -32,8 +32,8 @@ __device__ __forceinline__ float2 load_table_pair(const float* table_row, int la
 // quantizes only the nope dims). Same operations per pair as rotating in place, so the same bits. `cs` =
 // load_table_pair of the row's position. All lanes must call. The opening barrier orders this call's stores
 // after every lane's read of the previous call's pair.
-__device__ __forceinline__ void rotate_tail_to_bf16_across_warp(const float* y, float2 cs, int lane, uint32_t tail_at,
-                                                                uint8_t* dst) {
+__device__ __forceinline__ void rotate_tail_to_bf16_across_warp(const float* y, float2 cs, int lane,
+                                                                uint32_t tail_at, uint8_t* dst) {
   __syncwarp();
   if (lane >= kRopeFirstLane) {
     const uint32_t at = tail_at + (lane - kRopeFirstLane) * kLaneDims * 4;
@@ -58,7 +58,7 @@ __device__ __forceinline__ void rotate_tail_to_bf16_across_warp(const float* y, 
 // call ended before the barrier that preceded them.
 __device__ __forceinline__ void rotate_packed_tail_across_warp(uint32_t* words, float2 cs, int lane,
                                                                uint32_t tail_at) {
-  const uint32_t lane_at = tail_at + (lane - kRopeFirstLane) * kLaneWords * 4;
+  const uint32_t lane_at = tail_at + (lane - kRopeFirstLane) * kLaneWords * 4;  // used by the tail lanes only
   if (lane >= kRopeFirstLane) {
     store_shared_u4(lane_at, make_uint4(words[0], words[1], words[2], words[3]));
     store_shared_u4(lane_at + 16, make_uint4(words[4], words[5], words[6], words[7]));
