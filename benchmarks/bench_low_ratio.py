@@ -117,7 +117,7 @@ def _bench_c1(bench, results, layout, weight, table, with_torch):
 def _bench_c2(bench, results, layout, weight, table, with_torch, draft_len):
     cache = _cache(layout)
     capacity = cache.shape[0] * PAGE
-    theirs = compiled(torch_impls.c2_decode) if with_torch and draft_len == 0 else None
+    theirs = compiled(torch_impls.c2_decode_or_verify) if with_torch else None
     mode = f"verify d={draft_len}" if draft_len else "decode"
     for n in (VERIFY_SIZES if draft_len else DECODE_SIZES):
         calls = _c2_calls(n, draft_len, capacity, weight, table)
@@ -126,7 +126,7 @@ def _bench_c2(bench, results, layout, weight, table, with_torch, draft_len):
             page_size=PAGE, ring_size=a["ring"], draft_len=a["draft_len"], layout=layout) for a in calls])
         t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(
             a["kv"], a["state"], a["weight"], EPS, a["table"], a["positions"], a["req"], a["raw"], cache, PAGE,
-            a["ring"], int(layout)) for a in calls])) if theirs else None
+            a["ring"], a["draft_len"], int(layout)) for a in calls])) if theirs else None
         nbytes = c2_bytes(layout, calls[0]["positions"].cpu(), _c2_from_ring(calls[0]))
         results.append(row(bench, family="low_ratio", op="c2", case=f"{layout.str_name} {mode}",
                            n=calls[0]["kv"].shape[0], us=us, nbytes=nbytes, torch_us=t_us,

@@ -48,6 +48,8 @@ def markdown_table(rows, bench, empty_us):
         "ceiling at that size, launch latency included). For the writers at large N (consecutive slots, prefill",
         "plans), c2 prefill and the compressor prefills, `% base` = our GB/s over one device copy of the same bytes",
         "timed the same way (single calls, the L2 flushed by a read in between): the ceiling at that size.",
+        "The metadata family is timed under graph replay at every batch, the large ones included (in serving",
+        "these ops run inside the step's graph).",
         "",
         "| family | op | case | N | us | MB moved | GB/s | % copy | torch us | speed-up | % base | target |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",

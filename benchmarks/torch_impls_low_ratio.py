@@ -63,10 +63,16 @@ def c1_decode(kv, weight, eps, table, positions, out_loc, cache, page_size, layo
     return latent
 
 
-def c2_decode(kv, state, weight, eps, table, positions, req, raw_out_loc, cache, page_size, ring, layout):
-    """Decode only: every odd row reads its partner from the ring, every live even row parks its row (padded
-    and odd rows write the dummy row 0 instead, as a masked scatter written without data-dependent shapes)."""
+def c2_decode_or_verify(kv, state, weight, eps, table, positions, req, raw_out_loc, cache, page_size, ring,
+                        draft_len, layout):
+    """Decode (draft_len 0: every odd row reads its partner from the ring) or verify (request-major blocks of
+    draft_len consecutive positions: an odd row pools with the input row before it, and a block's first row with
+    the ring). Then every live even row parks its row (ring > draft_len: a block's rows park on distinct ring
+    rows); padded and odd rows write the dummy row 0 instead, a masked scatter without data-dependent shapes."""
     partner = state[req * ring + (positions - 1).clamp_min(0) % ring]
+    if draft_len > 1:
+        block_first = torch.arange(positions.numel(), device=positions.device) % draft_len == 0
+        partner = torch.where(block_first[:, None], partner, torch.roll(kv, 1, 0))
     latent = _pool_and_store(kv, partner, weight, eps, table, positions, raw_out_loc, cache, page_size, layout)
     park = ((positions & 1) == 0) & (raw_out_loc > 0) & (positions >= 0)
     state.index_copy_(0, torch.where(park, req * ring + positions % ring, 0).long(), kv)

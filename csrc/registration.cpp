@@ -18,6 +18,7 @@ namespace dsv4 {
 std::vector<int64_t> kv_layout_traits_op(int64_t layout);
 std::vector<int64_t> indexer_format_traits_op(int64_t fmt);
 std::vector<int64_t> page_geometry_op(std::string format, int64_t page_size);
+bool kv_layout_pair_valid_op(int64_t main, int64_t extra);
 void fused_store_cache(Tensor input, Tensor cache, Tensor indices, int64_t page_size, std::string type,
                        int64_t layout, bool use_fp4, std::optional<Tensor> freqs_cis);
 Tensor dequantize_k_cache_paged(Tensor cache, Tensor slots, int64_t page_size, int64_t layout);
@@ -93,6 +94,7 @@ STABLE_TORCH_LIBRARY(dsv4, m) {
   m.def("kv_layout_traits(int layout) -> int[]");
   m.def("indexer_format_traits(int fmt) -> int[]");
   m.def("page_geometry(str format, int page_size) -> int[]");
+  m.def("kv_layout_pair_valid(int main, int extra) -> bool");
   // ---- KV I/O ----
   m.def("fused_store_cache(Tensor input, Tensor(a!) cache, Tensor indices, *, int page_size, "
         "str type=\"flashmla\", int layout=0, bool use_fp4=False, Tensor? freqs_cis=None) -> ()");
@@ -162,6 +164,7 @@ STABLE_TORCH_LIBRARY_IMPL(dsv4, CompositeExplicitAutograd, m) {
   m.impl("kv_layout_traits", TORCH_BOX(&dsv4::kv_layout_traits_op));
   m.impl("indexer_format_traits", TORCH_BOX(&dsv4::indexer_format_traits_op));
   m.impl("page_geometry", TORCH_BOX(&dsv4::page_geometry_op));
+  m.impl("kv_layout_pair_valid", TORCH_BOX(&dsv4::kv_layout_pair_valid_op));
 }
 
 // Tensor ops: one host function per op, registered for both backends.

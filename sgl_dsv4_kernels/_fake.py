@@ -49,7 +49,6 @@ def check_activation(op, name, t, width, ref):
     torch._check(t.dtype in _ACTIVATION_DTYPES, _msg(op, f"{name} must be bfloat16 or float32, got {t.dtype}"))
     torch._check(t.dim() == 2, _msg(op, f"{name} must be 2-D, got {t.dim()}-D"))
     torch._check(t.size(1) == width, _msg(op, f"{name} must have {width} columns"))
-    torch._check(t.size(0) <= 1 or t.stride(0) >= width, _msg(op, f"{name} row stride overlaps rows"))
     torch._check(t.stride(1) == 1, _msg(op, f"{name} must have stride(1) == 1"))
 
 
@@ -516,6 +515,8 @@ def _check_c2_rows(op, kv_input, kv_state, positions, req_pool_indices, raw_out_
     check_activation(op, "kv_input", kv_input, _PAIR_ROW_WIDTH, k_cache)
     torch._check(kv_state.dtype == torch.float32, _msg(op, f"kv_state must be float32, got {kv_state.dtype}"))
     check_activation(op, "kv_state", kv_state, _PAIR_ROW_WIDTH, k_cache)
+    torch._check(kv_state.size(0) <= 1 or kv_state.stride(0) >= _PAIR_ROW_WIDTH,
+                 _msg(op, "kv_state row stride overlaps rows (the ring is written)"))
     for name, t in (("positions", positions), ("req_pool_indices", req_pool_indices), ("raw_out_loc", raw_out_loc)):
         check_index_vector(op, name, t, k_cache)
         _check_per_row(op, name, t, kv_input)

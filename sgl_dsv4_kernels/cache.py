@@ -5,16 +5,20 @@ from typing import Optional, Union
 
 import torch
 
-from .kv_layout import KVLayout
+from .kv_layout import KVLayout, layout_argument
 
 LayoutLike = Union[KVLayout, int, str]
 
 
 def _rope_rows(freqs_cis: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Accepts per-row rotations as complex64 [N, 32] or fp32 [N, 64]."""
-    if freqs_cis is not None and freqs_cis.is_complex():
-        return torch.view_as_real(freqs_cis).reshape(freqs_cis.shape[0], -1)
-    return freqs_cis
+    """Per-row rotations as fp32 [N, 64]: complex64 [N, 32] is converted (N = 0 included); any other complex
+    tensor is rejected here, a real one by the op."""
+    if freqs_cis is None or not freqs_cis.is_complex():
+        return freqs_cis
+    if freqs_cis.dtype != torch.complex64 or freqs_cis.dim() != 2:
+        raise ValueError(f"fused_store_cache: freqs_cis must be complex64 [N, 32] or float32 [N, 64], got "
+                         f"{freqs_cis.dtype} {list(freqs_cis.shape)}")
+    return torch.view_as_real(freqs_cis).flatten(1)
 
 
 def fused_store_cache(
@@ -41,7 +45,7 @@ def fused_store_cache(
         indices,
         page_size=page_size,
         type=type,
-        layout=int(KVLayout.parse(layout)),
+        layout=layout_argument("fused_store_cache", layout),
         use_fp4=use_fp4,
         freqs_cis=_rope_rows(freqs_cis),
     )
@@ -60,7 +64,7 @@ def dequantize_k_cache_paged(
     With ``out`` (bf16 ``[N, 1, 512]``, any row stride >= 512) the rows are written there and
     ``out`` is returned.
     """
-    layout_id = int(KVLayout.parse(layout))
+    layout_id = layout_argument("dequantize_k_cache_paged", layout)
     if out is None:
         return torch.ops.dsv4.dequantize_k_cache_paged(cache, slots, page_size, layout_id)
     torch.ops.dsv4.dequantize_k_cache_paged.out(cache, slots, page_size, layout_id, out=out)

@@ -8,7 +8,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .kv_layout import KVLayout
+from .kv_layout import KVLayout, layout_argument
 from .rope import as_rope_table
 
 LayoutLike = Union[KVLayout, int, str]
@@ -85,9 +85,10 @@ def c1_decode_norm_rope_store(
     ``out_loc <= 0`` marks a padded row (slot 0 is the reserved dummy): its latent is returned but nothing is
     stored; slots past the cache and positions outside the table are not stored either.
     """
+    op = "c1_decode_norm_rope_store"
     return torch.ops.dsv4.c1_decode_norm_rope_store(
-        kv_input, norm_weight, positions, out_loc, float(eps), as_rope_table(freqs_cis), k_cache,
-        page_size, int(KVLayout.parse(layout)),
+        kv_input, norm_weight, positions, out_loc, float(eps), as_rope_table(freqs_cis, op, "freqs_cis"), k_cache,
+        page_size, layout_argument(op, layout),
     )
 
 
@@ -118,10 +119,11 @@ def c2_decode_or_verify_norm_rope_store(
     return zeros. Verify: request-major blocks of ``draft_len`` consecutive positions, ``N % draft_len == 0``
     and ``ring_size > draft_len`` (see ``state_ring_size(2, draft_len)``).
     """
+    op = "c2_decode_or_verify_norm_rope_store"
     return torch.ops.dsv4.c2_decode_or_verify_norm_rope_store(
         kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, float(eps),
-        as_rope_table(freqs_cis), k_cache, page_size, int(ring_size), int(draft_len),
-        int(KVLayout.parse(layout)),
+        as_rope_table(freqs_cis, op, "freqs_cis"), k_cache, page_size, int(ring_size), int(draft_len),
+        layout_argument(op, layout),
     )
 
 
@@ -154,10 +156,11 @@ def c2_prefill_norm_rope_store(
     request's last ``lcm(2, ring_size)`` rows park their rows in the ring. Two launches on CUDA: the rows, then
     the ring writes, so that every ring read comes first.
     """
+    op = "c2_prefill_norm_rope_store"
     return torch.ops.dsv4.c2_prefill_norm_rope_store(
         kv_input, kv_state, norm_weight, positions, req_pool_indices, raw_out_loc, float(eps),
-        as_rope_table(freqs_cis), k_cache, extend_starts, extend_lens, page_size, int(ring_size),
-        int(KVLayout.parse(layout)),
+        as_rope_table(freqs_cis, op, "freqs_cis"), k_cache, extend_starts, extend_lens, page_size, int(ring_size),
+        layout_argument(op, layout),
     )
 
 
@@ -185,21 +188,48 @@ def compress_window(ratio: int) -> int:
     if ratio == 1:
         return 1
     if ratio not in _WINDOW:
-        raise ValueError(f"compress ratio must be 1, 2, 4 or 128, got {ratio}")
+        raise ValueError(f"compress_window: ratio must be 1, 2, 4 or 128, got {ratio}")
     return _WINDOW[ratio]
+
+
+# Argument checks of the c4/c128 utilities (§2.1-2.3, §3.7), each naming the calling function.
+
+
+def _check_ratio(fn: str, ratio: int, name: str = "ratio") -> None:
+    if ratio not in (4, 128):
+        raise ValueError(f"{fn}: {name} must be 4 or 128, got {ratio}")
+
+
+def _check_ring(fn: str, ratio: int, ring: int) -> None:
+    window = _WINDOW[ratio]
+    if ring % ratio != 0 or ring < window:
+        raise ValueError(f"{fn}: ring must be a multiple of {ratio} and >= the window {window} for ratio {ratio}, "
+                         f"got {ring}")
+
+
+def _check_head_dim(fn: str, ratio: int, head_dim: int) -> None:
+    allowed = (128, 512) if ratio == 4 else (512,)
+    if head_dim not in allowed:
+        raise ValueError(f"{fn}: head_dim must be {' or '.join(map(str, allowed))} for ratio {ratio}, got {head_dim}")
 
 
 def ring_capacity(ratio: int, ring: int) -> int:
     """Draft tokens a c4/c128 ring serves (§2.1): ``ring - window + 2`` (mtp_pad) if ``ring > window``, else 1."""
+    _check_ratio("ring_capacity", ratio)
+    _check_ring("ring_capacity", ratio, ring)
     window = compress_window(ratio)
     return ring - window + 2 if ring > window else 1
 
 
 def check_ring_serves_draft_tokens(ratio: int, ring: int, draft_tokens: int) -> None:
     """Startup guard of every c4/c128 layer: raises ValueError when a ring cannot serve ``draft_tokens``
-    verify tokens per step (a wider verify would leave ring rows stale, §3.5)."""
-    if ratio not in (4, 128):
-        raise ValueError(f"check_ring_serves_draft_tokens: ratio must be 4 or 128, got {ratio}")
+    verify tokens per step (a wider verify would leave ring rows stale, §3.5), or when the ring itself is not
+    a valid c4/c128 ring (a multiple of the ratio, at least the window)."""
+    fn = "check_ring_serves_draft_tokens"
+    _check_ratio(fn, ratio)
+    _check_ring(fn, ratio, ring)
+    if draft_tokens < 0:
+        raise ValueError(f"{fn}: draft_tokens must be >= 0, got {draft_tokens}")
     capacity = ring_capacity(ratio, ring)
     if draft_tokens > capacity:
         raise ValueError(
@@ -209,11 +239,9 @@ def check_ring_serves_draft_tokens(ratio: int, ring: int, draft_tokens: int) -> 
 
 def state_row_width(ratio: int, head_dim: int) -> int:
     """Width W of a projection / state row: 4D for c4 (kv_ov, kv, s_ov, s), 2D for c128 (kv, s)."""
-    if ratio == 4:
-        return 4 * head_dim
-    if ratio == 128:
-        return 2 * head_dim
-    raise ValueError(f"state_row_width: ratio must be 4 or 128, got {ratio}")
+    _check_ratio("state_row_width", ratio)
+    _check_head_dim("state_row_width", ratio, head_dim)
+    return 4 * head_dim if ratio == 4 else 2 * head_dim
 
 
 def _score_columns(ratio: int, head_dim: int) -> slice:
@@ -222,6 +250,13 @@ def _score_columns(ratio: int, head_dim: int) -> slice:
 
 def reset_compress_state(state: torch.Tensor, ratio: int, head_dim: int) -> torch.Tensor:
     """Clears a pool in place (zeros) and restores its pad page (kv 0, score -inf) (§2.3)."""
+    fn = "reset_compress_state"
+    _check_ratio(fn, ratio)
+    _check_head_dim(fn, ratio, head_dim)
+    width = 4 * head_dim if ratio == 4 else 2 * head_dim
+    if state.dim() < 2 or state.shape[-1] != width or state.numel() // width < ratio:
+        raise ValueError(f"{fn}: state must be [rows, {width}] (or [pages, {ratio}, {width}]) with at least "
+                         f"{ratio} rows for ratio {ratio}, head_dim {head_dim}, got {list(state.shape)}")
     rows = state.view(-1, state.shape[-1])
     rows.zero_()
     rows[-ratio:, _score_columns(ratio, head_dim)] = float("-inf")
@@ -237,11 +272,16 @@ def alloc_compress_state(
     device: Union[torch.device, str] = "cpu",
 ) -> torch.Tensor:
     """A c4/c128 state pool ``[owners * ring + ratio, W]`` (§2.3): zeros, with the trailing page of
-    ``ratio`` rows holding the pad value (kv 0, score -inf). Owner 0 is the dummy owner of padded rows."""
+    ``ratio`` rows holding the pad value (kv 0, score -inf). Owner 0 is the dummy owner of padded rows, so
+    ``owners`` counts it and must be >= 1. ``head_dim`` is 512, or 128 for the c4 indexer compressor."""
+    fn = "alloc_compress_state"
+    _check_ratio(fn, ratio)
+    _check_head_dim(fn, ratio, head_dim)
+    if owners < 1:
+        raise ValueError(f"{fn}: owners must be >= 1 (owner 0 is the dummy owner of padded rows), got {owners}")
+    _check_ring(fn, ratio, ring)
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"alloc_compress_state: dtype must be float32 or bfloat16, got {dtype}")
-    if ring % ratio != 0 or ring < compress_window(ratio):
-        raise ValueError(f"alloc_compress_state: ring must be a multiple of {ratio} and >= {compress_window(ratio)}")
+        raise ValueError(f"{fn}: dtype must be float32 or bfloat16, got {dtype}")
     state = torch.empty(owners * ring + ratio, state_row_width(ratio, head_dim), dtype=dtype, device=device)
     return reset_compress_state(state, ratio, head_dim)
 
@@ -249,17 +289,28 @@ def alloc_compress_state(
 def ape_for_kernel(ape: torch.Tensor, compress_ratio: Optional[int] = None) -> torch.Tensor:
     """The positional bias as the kernels take it, fp32 contiguous (§1.4).
 
-    c4 checkpoints hold ``ape [4, 2D]``: rows 0-3 of the result are its first D columns (overlap
-    bias), rows 4-7 its last D columns. A c128 ``ape [128, D]`` is only converted. Call once at load.
+    c4 checkpoints hold ``ape [4, 2D]`` (D = 512, or 128 for the indexer): rows 0-3 of the result are its
+    first D columns (overlap bias), rows 4-7 its last D columns. A c128 ``ape [128, 512]`` is only converted.
+    Without ``compress_ratio`` the ratio follows the row count (4 or 128). Call once at load.
     """
-    ratio = compress_ratio if compress_ratio is not None else (4 if ape.shape[0] == 4 else 128)
+    fn = "ape_for_kernel"
+    if ape.dim() != 2:
+        raise ValueError(f"{fn}: ape must be 2-D ([4, 2D] for c4, [128, 512] for c128), got {list(ape.shape)}")
+    if compress_ratio is None:
+        if ape.shape[0] not in (4, 128):
+            raise ValueError(f"{fn}: cannot infer compress_ratio from ape of shape {list(ape.shape)} "
+                             "(a c4 ape is [4, 2D], a c128 ape [128, 512]); pass compress_ratio")
+        ratio = 4 if ape.shape[0] == 4 else 128
+    else:
+        _check_ratio(fn, compress_ratio, "compress_ratio")
+        ratio = compress_ratio
     if ratio == 4:
-        if ape.dim() != 2 or ape.shape[0] != 4 or ape.shape[1] % 2 != 0:
-            raise ValueError(f"ape_for_kernel: a c4 ape must be [4, 2D], got {list(ape.shape)}")
+        if ape.shape[0] != 4 or ape.shape[1] not in (256, 1024):
+            raise ValueError(f"{fn}: a c4 ape must be [4, 2D] with D = 512 or 128, got {list(ape.shape)}")
         d = ape.shape[1] // 2
         return torch.cat([ape[:, :d], ape[:, d:]], dim=0).float().contiguous()
-    if ape.dim() != 2 or ape.shape[0] != 128:
-        raise ValueError(f"ape_for_kernel: a c128 ape must be [128, D], got {list(ape.shape)}")
+    if ape.shape[0] != 128 or ape.shape[1] != 512:
+        raise ValueError(f"{fn}: a c128 ape must be [128, 512], got {list(ape.shape)}")
     return ape.float().contiguous()
 
 

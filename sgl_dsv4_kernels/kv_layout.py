@@ -127,6 +127,15 @@ class IndexerFormat(_FormatMixin, enum.IntEnum):
         raise TypeError(f"cannot interpret {x!r} as an IndexerFormat")
 
 
+def layout_argument(op: str, layout, name: str = "layout") -> int:
+    """The integer id of a wrapper's layout argument; a bad value raises the parse error (ValueError or
+    TypeError) prefixed with the op and the argument, as every wrapper error names them."""
+    try:
+        return int(KVLayout.parse(layout))
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{op}: {name}: {e}") from None
+
+
 def is_valid_kv_layout_pair(main, extra) -> bool:
     """A pool may pair a main cache with extra caches of the same layout, or V41 with V41_FP4."""
     main, extra = KVLayout.parse(main), KVLayout.parse(extra)

@@ -79,7 +79,13 @@ def precompute_rope_table(
     )
 
 
-def as_rope_table(freqs: torch.Tensor) -> torch.Tensor:
-    """Accepts the fp32 table or complex64 ``freqs_cis`` (converted); other dtypes pass through to
-    the op, which rejects them with a message naming the argument."""
-    return rope_table_from_freqs_cis(freqs) if freqs.is_complex() else freqs
+def as_rope_table(freqs: torch.Tensor, op: str, name: str) -> torch.Tensor:
+    """An op wrapper's RoPE argument ``name``: the fp32 table, or complex64 ``freqs_cis`` (converted); other
+    real dtypes pass through to the op, which rejects them with a message naming the argument. A complex
+    table that is not complex64 ``[max_pos, pairs]`` raises ValueError naming ``op`` and ``name``."""
+    if not isinstance(freqs, torch.Tensor) or not freqs.is_complex():
+        return freqs
+    try:
+        return rope_table_from_freqs_cis(freqs)
+    except ValueError as e:
+        raise ValueError(f"{op}: {name}: {e}") from None

@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .kv_layout import KVLayout
+from .kv_layout import KVLayout, layout_argument
 from .rope import as_rope_table
 
 LayoutLike = Union[KVLayout, int, str]
@@ -34,9 +34,10 @@ def fused_k_norm_rope_flashmla(
     ``out_loc [B]`` (int32/int64). Row b goes to slot ``out_loc[b]`` rotated at ``positions[b]``;
     rows whose slot or position is out of range (e.g. ``out_loc == -1``) write nothing.
     """
+    op = "fused_k_norm_rope_flashmla"
     torch.ops.dsv4.fused_k_norm_rope_flashmla(
-        kv, weight, float(eps), as_rope_table(freqs), positions, out_loc, kvcache,
-        page_size=page_size, layout=int(KVLayout.parse(layout)),
+        kv, weight, float(eps), as_rope_table(freqs, op, "freqs"), positions, out_loc, kvcache,
+        page_size=page_size, layout=layout_argument(op, layout),
     )
 
 
@@ -66,21 +67,24 @@ def compress_norm_rope_store(
     ``seq_len`` closes a block; prefill entry k to ``out_loc[ragged_id]``; RoPE position
     ``seq_len - compress_ratio``.
     """
+    op = "compress_norm_rope_store"
     if isinstance(plan, torch.Tensor):
         if compress_ratio is None or is_decode is None:
             raise TypeError(
                 "compress_norm_rope_store: a raw plan tensor needs explicit compress_ratio and is_decode"
             )
         plan_tensor = plan
-    else:
+    elif all(hasattr(plan, field) for field in ("plan", "compress_ratio", "is_decode")):
         plan_tensor = plan.plan
         for name, given, own in (("compress_ratio", compress_ratio, plan.compress_ratio),
                                  ("is_decode", is_decode, plan.is_decode)):
             if given is not None and given != own:
                 raise ValueError(f"compress_norm_rope_store: {name}={given} contradicts the plan's {own}")
         compress_ratio, is_decode = plan.compress_ratio, plan.is_decode
+    else:
+        raise TypeError(f"{op}: plan must be a CompressPlan or a uint8 [N, 16] tensor, got {type(plan).__name__}")
     torch.ops.dsv4.compress_norm_rope_store(
-        kv, plan_tensor, norm_weight, float(norm_eps), as_rope_table(freq_cis), out_loc, kvcache,
+        kv, plan_tensor, norm_weight, float(norm_eps), as_rope_table(freq_cis, op, "freq_cis"), out_loc, kvcache,
         page_size=page_size, compress_ratio=int(compress_ratio), is_decode=bool(is_decode),
-        layout=int(KVLayout.parse(layout)), use_fp4=bool(use_fp4),
+        layout=layout_argument(op, layout), use_fp4=bool(use_fp4),
     )

@@ -165,7 +165,11 @@ class Engine:
             expected[k] = entries[b][g]
             emitted[k] = True
         check_output(out, expected, emitted, self.input_dtype, out_tol)
-        self._check_writes(before, x, ref.unpack_plan(plan.plan_w, "write"), padded_ok)
+        writes = ref.unpack_plan(plan.plan_w, "write")
+        # the request of each WritePlan row, from its ragged id (invalid rows' ids are not looked up)
+        write_rids = [rids[min(bisect.bisect_right(offsets, q) - 1, B - 1)] if valid else None
+                      for q, valid in zip(writes["ragged_id"].tolist(), writes["valid"].tolist())]
+        self._check_writes(before, x, writes, padded_ok, write_rids)
         accept = extend_lens if accept is None else accept
         for b, r in enumerate(rids):
             if r != 0 or not padded_ok:
@@ -203,19 +207,39 @@ class Engine:
             check_output(out, expected, emitted, self.input_dtype, out_tol)
         d = ref.unpack_plan(plan.plan, "decode")
         writes = dict(ragged_id=torch.arange(B), write_loc=d["write_loc"], valid=d["valid"])
-        self._check_writes(before, x, writes, padded_ok)
+        self._check_writes(before, x, writes, padded_ok, list(rids))
         for b, r in enumerate(rids):
             if r != 0 or not padded_ok:
                 self.history[r] = full[b]
         return out
 
-    def _check_writes(self, before: torch.Tensor, x: torch.Tensor, writes: dict, padded_ok: bool) -> None:
+    def _check_writes(self, before: torch.Tensor, x: torch.Tensor, writes: dict, padded_ok: bool,
+                      write_rids: Sequence[Optional[int]]) -> None:
         """The state equals `before` with each valid write applied (row = input row in the state dtype),
-        the pad page is untouched, and no two live writes share a row."""
+        the pad page is untouched, and no two live writes share a row. With padded rows (rid 0, §3.4), every
+        write of a padded row lands in dummy owner 0's rows [0, ring) (or is an invalid lookup), and every row
+        outside owner 0 that no live write targets is unchanged: the expected state applies the padded rows'
+        writes too, so it alone would take a padded write into a live request's row for a correct one."""
         rows = before.shape[0]
         expected = before.cpu().clone()
         seen = set()
         o0 = self.owner0_rows()
+        if padded_ok:
+            live_rows = torch.zeros(rows, dtype=torch.bool)
+            for rid, dst, valid in zip(write_rids, writes["write_loc"].tolist(), writes["valid"].tolist()):
+                if not valid:
+                    continue
+                if rid == 0:
+                    assert dst == -1 or o0.start <= dst < o0.stop, \
+                        f"a padded row (rid 0) wrote state row {dst}, outside owner 0's rows [0, {o0.stop})"
+                elif 0 <= dst < rows:
+                    live_rows[dst] = True
+            untouched = ~live_rows
+            untouched[o0] = False
+            got_rows, before_rows = self.state.cpu()[untouched], before.cpu()[untouched]
+            as_int = torch.int16 if got_rows.dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(got_rows.view(as_int), before_rows.view(as_int)), \
+                "a state row outside owner 0 and outside the live write set changed"
         for q, dst, valid in zip(writes["ragged_id"].tolist(), writes["write_loc"].tolist(), writes["valid"].tolist()):
             if not valid or not (0 <= dst < rows - self.ratio) or q >= x.shape[0]:
                 continue

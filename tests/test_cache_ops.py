@@ -293,6 +293,23 @@ def test_T3_store_row_strided_input(ref, device, fmt, in_dtype):
                 strided=True)
 
 
+@pytest.mark.parametrize("stride", [0, 1, 100], ids=lambda s: f"stride{s}")
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=fmt_id)
+def test_T3_store_overlapping_rows(ref, device, fmt, stride):
+    """Input rows may have any row stride, overlapping or repeated rows included (the store only reads them):
+    the bytes equal the reference's for the same rows made contiguous."""
+    p, num_pages = 2, 6
+    slots = make_slots(9, num_pages * p, seed=seed_of("overlap-slots", stride))  # invalid slots added
+    n = slots.numel()
+    values = make_rows(n, fmt.width, tile=fmt.tile, seed=seed_of("overlap", fmt.name, stride), dtype=BF16)
+    flat = values.reshape(-1)[: (n - 1) * stride + fmt.width]
+    cache, buf = make_cache(fmt, p, num_pages, device=device, seed=seed_of("overlap-cache", stride))
+    exp_cache, exp_buf = clone_view(cache, buf, device="cpu")
+    op_store(fmt, flat.to(device).as_strided((n, fmt.width), (stride, 1)), cache, slots.to(device), p)
+    ref_store(ref, fmt, flat.as_strided((n, fmt.width), (stride, 1)).contiguous(), exp_cache, slots, p)
+    assert_bytes_equal(buf, exp_buf, fmt, p, cache.stride(0))
+
+
 def test_T3_store_into_pool_slice_keeps_rest_of_pool(ref, device):
     """A cache that is a dim-0 slice of a larger pool: pages outside the slice are untouched."""
     for i, fmt in enumerate(ALL_FORMATS):
@@ -1114,6 +1131,9 @@ def test_store_zero_rows_is_a_no_op(device, fmt):
         op_store(fmt, torch.empty(0, 512, device=device, dtype=BF16), cache,
                  torch.empty(0, dtype=torch.int64, device=device), 2,
                  freqs_cis=torch.empty(0, 64, device=device))
+        op_store(fmt, torch.empty(0, 512, device=device, dtype=BF16), cache,
+                 torch.empty(0, dtype=torch.int64, device=device), 2,
+                 freqs_cis=torch.empty(0, 32, device=device, dtype=torch.complex64))
     assert torch.equal(buf, before)
 
 
@@ -1135,6 +1155,36 @@ def test_store_freqs_rejections(device):
         with pytest.raises(RuntimeError, match=r"dsv4\.fused_store_cache.*\buse_fp4\b"):
             dsv4.fused_store_cache(x, make_cache(MAIN_FORMATS[layout], 2, 2, device=device, fill=0)[0], slots,
                                    page_size=2, layout=layout, use_fp4=True)
+
+
+def test_store_complex_freqs_forms(device):
+    """complex64 [N, 32] rotations equal their fp32 [N, 64] form; other complex tensors are rejected by the
+    wrapper, naming the op and the argument."""
+    fc = torch.polar(torch.ones(3, 32), torch.rand(3, 32, generator=torch.Generator().manual_seed(5)) * 6.3)
+    x = make_rows(3, 512, tile=16, seed=7).to(device)
+    slots = torch.tensor([0, 3, 1], device=device)
+    got, _ = make_cache(V41, 2, 2, device=device, fill=0)
+    want, _ = make_cache(V41, 2, 2, device=device, fill=0)
+    dsv4.fused_store_cache(x, got, slots, page_size=2, layout="v41", freqs_cis=fc.to(device))
+    table_rows = torch.view_as_real(fc).reshape(3, 64).to(device)
+    dsv4.fused_store_cache(x, want, slots, page_size=2, layout="v41", freqs_cis=table_rows)
+    assert torch.equal(got, want) and got.any()
+    for bad in (fc.to(torch.complex128), fc[0, 0], fc.unsqueeze(0)):
+        with pytest.raises(ValueError, match=r"^fused_store_cache: freqs_cis must be complex64 \[N, 32\]"):
+            dsv4.fused_store_cache(x, got, slots, page_size=2, layout="v41", freqs_cis=bad.to(device))
+
+
+def test_wrapper_layout_errors_name_the_op(device):
+    """A layout that is no KVLayout is rejected by the wrappers themselves, naming the op and the argument."""
+    x = torch.zeros(2, 512, device=device)
+    slots = torch.tensor([0, 1], device=device)
+    cache, _ = make_cache(V4, 2, 2, device=device, fill=0)
+    for layout in ("v5", 3):
+        with pytest.raises(ValueError, match=r"^fused_store_cache: layout: unknown KVLayout"):
+            dsv4.fused_store_cache(x, cache, slots, page_size=2, layout=layout)
+        with pytest.raises(ValueError, match=r"^dequantize_k_cache_paged: layout: unknown KVLayout"):
+            dsv4.dequantize_k_cache_paged(cache, slots, 2, layout=layout)
+    assert not cache.any()
 
 
 def test_wrapper_accepts_layout_names(ref, device):

@@ -589,30 +589,52 @@ def _assert_no_state_copy(code: str):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio,is_decode", [(4, True), (4, False), (128, True), (128, False)],
+                         ids=["c4-decode", "c4-prefill", "c128-decode", "c128-prefill"])
 @pytest.mark.parametrize("as_slice", [False, True], ids=["base", "slice"])
-def test_compile_without_state_clone(device, as_slice):
+def test_compile_without_state_clone(device, ratio, is_decode, as_slice):
+    """fullgraph compile of compress_forward, decode and prefill (plan_w; two launches on CUDA), with the
+    state passed as the base tensor and as a dim-0 slice of a larger pool: no copy of the state (§7)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    e, x, plan = _opcheck_case(device, 4, True)
+    D, ring = (128, 8) if ratio == 4 else (512, 128)
+    e = Engine(ratio, D, ring, paged=False, num_requests=3, device=device, seed=("compile", ratio, is_decode))
+    # every step emits: request 1 closes a chunk (decode), request 2's extend closes one reading the ring
+    e.extend([1, 2], [9, 130] if ratio == 4 else [127, 250])
+    rids = torch.tensor([1, 2, 3], device=device)
+    if is_decode:
+        L = [12, 131, 1] if ratio == 4 else [128, 251, 1]
+        plan = dsv4.plan_compress_decode(rids, torch.tensor(L, device=device), **e.plan_kwargs())
+        x = e.rows(3).to(device)
+    else:
+        L, E = ([12, 140, 4], [3, 10, 4]) if ratio == 4 else ([131, 256, 4], [4, 6, 4])
+        plan = dsv4.plan_compress_prefill(rids, torch.tensor(L, device=device), torch.tensor(E, device=device),
+                                          num_q_tokens=sum(E), use_cuda_graph=True, **e.plan_kwargs())
+        x = e.rows(sum(E)).to(device)
     ape = e.ape.to(device)
     rows = e.state.shape[0]
-    pool = torch.zeros(rows + 16, e.W, device=device)
-    pool[8:8 + rows] = e.state
+    pool = torch.zeros(rows + 2 * ratio, e.W, device=device)
+    pool[ratio:ratio + rows] = e.state
 
-    def step(x, plan, pool):
-        state = pool[8:8 + rows] if as_slice else pool
-        return dsv4.compress_forward(state, x, ape, plan, head_dim=e.D, compress_ratio=4, is_decode=True)
+    def step(x, plan_c, plan_w, pool):
+        state = pool[ratio:ratio + rows] if as_slice else pool
+        return dsv4.compress_forward(state, x, ape, plan_c, plan_w, head_dim=e.D, compress_ratio=ratio,
+                                     is_decode=is_decode)
 
     if not as_slice:
         pool = e.state.clone()
     expected_pool = pool.clone()
-    expected = step(x, plan.plan, expected_pool)
+    expected = step(x, plan.plan, plan.plan_w, expected_pool)
+    assert not torch.equal(expected_pool, pool), "the step writes the state"
+    if not is_decode:
+        assert int(ref.unpack_plan(plan.plan, "compress")["buffer_len"].max()) > 0, "the step reads the ring"
     compiled = torch.compile(step, fullgraph=True)
-    got, codes = run_and_get_code(compiled, x, plan.plan, pool)
+    got, codes = run_and_get_code(compiled, x, plan.plan, plan.plan_w, pool)
     _assert_no_state_copy("\n".join(codes))
     assert torch.equal(pool, expected_pool)
     assert torch.equal(got, expected)
+    assert got.abs().sum() > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -639,21 +661,37 @@ def test_compile_plan_and_compress_chain(device):
 # CUDA graphs, PDL
 
 
+def replay_without_sync_or_allocation(graph) -> None:
+    """Replays graph under sync-debug "error" and checks that the replay allocated nothing."""
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_cuda_graph_replay_decode_and_gpu_prefill(ratio):
     """Capture decode planning + compress_forward and GPU-path prefill planning + compress_forward once,
-    refill the static inputs (with seq_len-1 dummy rows of rid 0 and E = 0 rows), replay, compare with eager."""
+    refill the static inputs (dummy rows of rid 0 and seq_len 1 with E in {0, 1, D_v}, §8.3), replay, compare
+    the graph's own outputs with eager and its plans with the reference planner's bytes."""
     D, ring = (512, 16) if ratio == 4 else (512, 256)
+    draft = 5  # D_v of the padded verify row; the rings serve it
     e = Engine(ratio, D, ring, paged=ratio == 4, num_requests=4, max_tokens=2048, device="cuda",
                seed=("graph", ratio))
     e.extend([1, 2, 3, 4], [50, 127, 255, 300])
     r2t, f2s = e.tables()
     kw = e.plan_kwargs()
-    B, nq = 6, 24
+    B, nq = 7, 24
     rids = torch.zeros(B, dtype=torch.int64, device="cuda")
     seq = torch.ones(B, dtype=torch.int64, device="cuda")
+    seq_p = torch.ones(B, dtype=torch.int64, device="cuda")
     ext = torch.zeros(B, dtype=torch.int64, device="cuda")
     xd = torch.zeros(B, e.W, device="cuda")
     xp = torch.zeros(nq, e.W, device="cuda")
@@ -666,7 +704,7 @@ def test_cuda_graph_replay_decode_and_gpu_prefill(ratio):
     def calls(state):
         dsv4.plan_compress_decode(rids, seq, r2t, f2s, out=plan_d, **kw)
         outs["d"] = dsv4.compress_forward(state, xd, ape, plan_d, head_dim=D, compress_ratio=ratio, is_decode=True)
-        p = dsv4.plan_compress_prefill(rids, seq + ext, ext, r2t, f2s, num_q_tokens=nq, out=(plan_c, plan_w), **kw)
+        p = dsv4.plan_compress_prefill(rids, seq_p, ext, r2t, f2s, num_q_tokens=nq, out=(plan_c, plan_w), **kw)
         outs["p"] = dsv4.compress_forward(state, xp, ape, p, head_dim=D)
 
     stream = torch.cuda.Stream()
@@ -678,29 +716,123 @@ def test_cuda_graph_replay_decode_and_gpu_prefill(ratio):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls(e.state)
+    replayed = dict(outs)  # the graph's output tensors (the eager calls below rebind outs)
     g = gen("graph-refill", ratio)
     for trial in range(5):
         lens = [len(e.history[r]) for r in (1, 2, 3, 4)]
-        rids.copy_(torch.tensor([1, 0, 2, 3, 0, 4]))
-        seq.copy_(torch.tensor([lens[0] + 1 + trial, 1, lens[1] + 1 + trial, lens[2] + 1 + trial, 1,
-                                lens[3] + 1 + trial]))
-        ext.copy_(torch.tensor([3, 0, 5, 1, 1, 4]))
+        rid_list = [1, 0, 2, 3, 0, 4, 0]
+        E = [3, 0, 5, 1, 1, 4, draft]
+        L = [lens[0] + 1 + trial, 1, lens[1] + 1 + trial, lens[2] + 1 + trial, 1, lens[3] + 1 + trial, 1]
+        L_p = [1 if r == 0 else L[b] + E[b] for b, r in enumerate(rid_list)]  # padded rows: seq_len 1
+        rids.copy_(torch.tensor(rid_list))
+        seq.copy_(torch.tensor(L))
+        seq_p.copy_(torch.tensor(L_p))
+        ext.copy_(torch.tensor(E))
         xd.copy_(torch.randn(B, e.W, generator=g))
         xp.copy_(torch.randn(nq, e.W, generator=g))
         state_eager = e.state.clone()
         calls(state_eager)
         eager = {k: v.clone() for k, v in outs.items()}
-        torch.cuda.synchronize()
-        allocated = torch.cuda.memory_allocated()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == allocated
-        assert torch.equal(outs["d"], eager["d"]) and torch.equal(outs["p"], eager["p"])
+        eager_plans = (plan_d.clone(), plan_c.clone(), plan_w.clone())
+        replay_without_sync_or_allocation(graph)
+        assert torch.equal(replayed["d"], eager["d"]) and torch.equal(replayed["p"], eager["p"])
         assert torch.equal(e.state[ring:], state_eager[ring:]), "state outside owner 0"
+        rid_t, L_t, Lp_t, E_t = (torch.tensor(v) for v in (rid_list, L, L_p, E))
+        want_d = ref.plan_compress_decode(rid_t, L_t, e.req_to_token, e.full_to_swa, ratio, e.sps, ring, not e.paged)
+        want_c, want_w = ref.plan_compress_prefill(rid_t, Lp_t, E_t, e.req_to_token, e.full_to_swa, nq, ratio, e.sps,
+                                                   ring, not e.paged, True)
+        for got, want, eager_plan in zip((plan_d, plan_c, plan_w), (want_d, want_c, want_w), eager_plans):
+            assert torch.equal(got.cpu(), want) and torch.equal(eager_plan.cpu(), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_cuda_graph_replay_two_launch_planner(ratio):
+    """B = 1100 > 1024 runs the GPU-input planner as two launches (scan, then emit) over scratch that the op
+    allocates itself (plan_compress_prefill and its _out form alike), so the allocation happens inside the
+    capture. A verify batch with padded rows of rid 0, seq_len 1 and E in {0, 1, D_v} (§8.3) and a decode
+    step, captured once, refilled and replayed 5x: plans equal the reference planner's bytes, outputs and state
+    equal eager and the reference compressor."""
+    D, ring, sps, live = (128, 16, 64, 300) if ratio == 4 else (512, 256, 0, 200)
+    draft, B = 5, 1100
+    nq = B * draft + 4
+    e = Engine(ratio, D, ring, paged=ratio == 4, sps=sps or 256, num_requests=live, max_tokens=512, device="cuda",
+               seed=("graph-two-launch", ratio))
+    g = gen("graph-two-launch", ratio)
+    e.state[:-ratio] = torch.randn(e.state.shape[0] - ratio, e.W, generator=g).cuda()  # ring reads matter
+    r2t, f2s = e.tables()
+    kw = e.plan_kwargs()
+    ape = e.ape.cuda()
+    rids, seq_p, ext, seq_d = (torch.zeros(B, dtype=torch.int64, device="cuda") for _ in range(4))
+    x = torch.zeros(nq, e.W, device="cuda")
+    xd = torch.zeros(B, e.W, device="cuda")
+    plan_c = torch.empty(nq, 16, dtype=torch.uint8, device="cuda")
+    plan_w = torch.empty(nq, 8, dtype=torch.uint8, device="cuda")
+    plan_d = torch.empty(B, 16, dtype=torch.uint8, device="cuda")
+    state_a, state_b = e.state, e.state.clone()
+    outs = {}
+
+    def calls(a, b):
+        p = dsv4.plan_compress_prefill(rids, seq_p, ext, r2t, f2s, num_q_tokens=nq, **kw)  # scratch inside the op
+        outs["plan"], outs["plan_w"] = p.plan, p.plan_w
+        outs["a"] = dsv4.compress_forward(a, x, ape, p, head_dim=D)
+        q = dsv4.plan_compress_prefill(rids, seq_p, ext, r2t, f2s, num_q_tokens=nq, out=(plan_c, plan_w), **kw)
+        outs["b"] = dsv4.compress_forward(b, x, ape, q, head_dim=D)
+        d = dsv4.plan_compress_decode(rids, seq_d, r2t, f2s, out=plan_d, **kw)
+        outs["d"] = dsv4.compress_forward(b, xd, ape, d, head_dim=D)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls(state_a.clone(), state_b.clone())
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls(state_a, state_b)
+    replayed = dict(outs)
+    emitted = 0
+    for trial in range(5):
+        rid_t = torch.zeros(B, dtype=torch.int64)
+        rid_t[torch.randperm(B, generator=g)[:live]] = torch.arange(1, live + 1)
+        pad = rid_t == 0
+        E_t = torch.randint(1, draft + 1, (B,), generator=g)
+        E_t[pad] = torch.tensor([0, 1, draft])[torch.randint(0, 3, (int(pad.sum()),), generator=g)]
+        if ratio == 4:
+            prefix = torch.randint(200, 400, (B,), generator=g)
+        else:  # ends a 128-chunk inside most verify windows
+            prefix = 128 * torch.randint(1, 3, (B,), generator=g) - torch.randint(0, draft, (B,), generator=g)
+        Lp_t = torch.where(pad, 1, prefix + E_t)
+        Ld_t = torch.where(pad, 1, Lp_t + 1)
+        for static, value in ((rids, rid_t), (seq_p, Lp_t), (ext, E_t), (seq_d, Ld_t)):
+            static.copy_(value)
+        x.copy_(torch.randn(nq, e.W, generator=g))
+        xd.copy_(torch.randn(B, e.W, generator=g))
+        ref_a, ref_b = state_a.cpu(), state_b.cpu()
+        eager_a, eager_b = state_a.clone(), state_b.clone()
+        calls(eager_a, eager_b)
+        eager = {k: v.clone() for k, v in outs.items()}
+        replay_without_sync_or_allocation(graph)
+        for k in eager:
+            assert torch.equal(replayed[k], eager[k]), k
+        assert torch.equal(state_a[ring:], eager_a[ring:]) and torch.equal(state_b[ring:], eager_b[ring:])
+        # the reference planner and compressor (owner 0, which padded rows share, excluded)
+        want_c, want_w = ref.plan_compress_prefill(rid_t, Lp_t, E_t, e.req_to_token, e.full_to_swa, nq, ratio,
+                                                   e.sps, ring, not e.paged, True)
+        want_d = ref.plan_compress_decode(rid_t, Ld_t, e.req_to_token, e.full_to_swa, ratio, e.sps, ring,
+                                          not e.paged)
+        for got, want in ((replayed["plan"], want_c), (replayed["plan_w"], want_w), (plan_c, want_c),
+                          (plan_w, want_w), (plan_d, want_d)):
+            assert torch.equal(got.cpu(), want)
+        out_a = ref.compress_forward(ref_a, x.cpu(), e.ape, want_c, want_w, D, ratio, False)
+        out_b = ref.compress_forward(ref_b, x.cpu(), e.ape, want_c, want_w, D, ratio, False)
+        out_d = ref.compress_forward(ref_b, xd.cpu(), e.ape, want_d, None, D, ratio, True)
+        for got, want in ((replayed["a"], out_a), (replayed["b"], out_b), (replayed["d"], out_d)):
+            torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+        assert torch.equal(state_a[ring:].cpu(), ref_a[ring:]) and torch.equal(state_b[ring:].cpu(), ref_b[ring:])
+        emitted += int(ref.unpack_plan(want_c, "compress")["valid"].sum())
+    assert emitted >= 5 * live // 4, "the replays compress, not only write"
 
 
 @pytest.mark.cuda
@@ -827,11 +959,12 @@ def test_state_writes_right_after_the_host_path_planner():
 _PDL_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, sys.argv[2])
-    from compress_cases import Engine
+    from compress_cases import Engine, gen
     import sgl_dsv4_kernels as dsv4
+    device = sys.argv[3]
     out = {}
     for ratio, ring, paged in ((4, 8, True), (4, 16, False), (128, 128, False), (128, 256, False)):
-        e = Engine(ratio, 512, ring, paged=paged, num_requests=3, max_tokens=1024, device="cuda",
+        e = Engine(ratio, 512, ring, paged=paged, num_requests=3, max_tokens=1024, device=device,
                    seed=("pdl", ratio, ring))
         r2t, f2s = e.tables()
         kw = e.plan_kwargs()
@@ -842,18 +975,92 @@ _PDL_SCRIPT = textwrap.dedent("""
         calls = [([1, 2, 3], [5, 130, 1], [5, 130, 1]), ([1, 2, 3], [12, 200, 9], [7, 70, 8])]
         calls += [([1, 2, 3, 0], [12 + k + 1, 200 + k + 1, 9 + k + 1, 1], None) for k in range(140)]
         for rids, L, E in calls:
-            rids_t = torch.tensor(rids, device="cuda")
-            L_t = torch.tensor(L, device="cuda")
+            rids_t = torch.tensor(rids, device=device)
+            L_t = torch.tensor(L, device=device)
             if E is None:
                 plan = dsv4.plan_compress_decode(rids_t, L_t, r2t, f2s, **kw)
-                x = torch.randn(len(rids), e.W, generator=g).cuda()
+                x = torch.randn(len(rids), e.W, generator=g).to(device)
             else:
-                E_t = torch.tensor(E, device="cuda")
+                E_t = torch.tensor(E, device=device)
                 plan = dsv4.plan_compress_prefill(rids_t, L_t, E_t, r2t, f2s, num_q_tokens=sum(E), **kw)
-                x = torch.randn(sum(E), e.W, generator=g).cuda()
+                x = torch.randn(sum(E), e.W, generator=g).to(device)
             outs.append((plan.plan.cpu(), None if plan.plan_w is None else plan.plan_w.cpu(),
-                         dsv4.compress_forward(e.state, x, e.ape.cuda(), plan, head_dim=512).cpu()))
+                         dsv4.compress_forward(e.state, x, e.ape.to(device), plan, head_dim=512).cpu()))
         out[(ratio, ring)] = (outs, e.state[ring:].cpu())
+
+    # Every planner kernel back to back with compress_forward, as in serving: the GPU-input planner (one
+    # launch for B <= 1024, scan then emit above), the host-input path's stage-1 kernel, both _out planners
+    # rewriting one reused buffer (which the previous step's compress_forward reads), and the decode planner.
+    # Every input is staged first and the launches queue behind a sleep, so nothing separates them.
+    KINDS = ("gpu", "host", "prefill_out", "decode", "decode_out")
+    CHAINS = [  # name, engine, batch rows, live requests, initial lengths, largest extend
+        ("c4-paged-B1100", lambda: Engine(4, 128, 8, paged=True, sps=64, num_requests=1000, max_tokens=128,
+                                          device=device, seed=("pdl-chain", 1)), 1100, 1000, (20, 60), 4),
+        ("c128-B1100", lambda: Engine(128, 512, 128, paged=False, num_requests=100, max_tokens=1024,
+                                      device=device, seed=("pdl-chain", 2)), 1100, 100, (100, 250), 9),
+        ("c4-ring16-B7", lambda: Engine(4, 512, 16, paged=False, num_requests=5, max_tokens=1024, device=device,
+                                        seed=("pdl-chain", 3)), 7, 5, (3, 40), 9),
+        ("c128-ring256-B5", lambda: Engine(128, 512, 256, paged=False, num_requests=4, max_tokens=1024,
+                                           device=device, seed=("pdl-chain", 4)), 5, 4, (128, 250), 9),
+    ]
+    for name, make, B, live, (lo, hi), max_e in CHAINS:
+        e = make()
+        g = gen("pdl-chain", name)
+        r2t, f2s = e.tables()
+        kw = e.plan_kwargs()
+        ape = e.ape.to(device)
+        # live requests 1..live spread over the B rows; the other rows are padded (rid 0, seq_len 1)
+        rids = torch.zeros(B, dtype=torch.int64)
+        rids[torch.randperm(B, generator=g)[:live]] = torch.arange(1, live + 1)
+        pad = rids == 0
+        lens = torch.zeros(B, dtype=torch.int64)
+        first = torch.where(pad, 1, torch.randint(lo, hi, (B,), generator=g))
+        steps = [("gpu", first, first.clone())]  # the prefill from scratch
+        for kind in KINDS * 3:
+            if kind.startswith("decode"):
+                E = torch.ones(B, dtype=torch.int64)
+            else:
+                E = torch.randint(1, max_e + 1, (B,), generator=g)
+                # E = 5 > L only where the GPU-input path runs: host planners reject E > L. The draws do not
+                # depend on the device, so the requests' positions (and which rows emit) do not either.
+                pad_e = torch.tensor([0, 1, 5 if kind != "host" and device == "cuda" else 1])
+                E[pad] = pad_e[torch.randint(0, 3, (int(pad.sum()),), generator=g)]
+            steps.append((kind, None, E))
+        staged, nq_out = [], 3 + max(int(E.sum()) for kind, _, E in steps if kind == "prefill_out")
+        for i, (kind, L0, E) in enumerate(steps):
+            L = L0 if L0 is not None else torch.where(pad, 1, lens + E)
+            lens = torch.where(pad, 0, L)
+            nq = B if kind.startswith("decode") else nq_out if kind == "prefill_out" else int(E.sum()) + 3
+            x = (torch.randn(nq, e.W, generator=gen("pdl-chain-rows", name, i)) * 2).to(device)
+            staged.append((kind, L.to(device), E.to(device), L, E, nq, x))
+        rids_d = rids.to(device)
+        plan_c = torch.full((nq_out, 16), 0x5A, dtype=torch.uint8, device=device)
+        plan_w = torch.full((nq_out, 8), 0x5A, dtype=torch.uint8, device=device)
+        plan_d = torch.full((B, 16), 0x5A, dtype=torch.uint8, device=device)
+        if device == "cuda":
+            torch.cuda._sleep(100_000_000)
+        results = []
+        for kind, L_d, E_d, L, E, nq, x in staged:
+            if kind == "gpu":
+                plan = dsv4.plan_compress_prefill(rids_d, L_d, E_d, r2t, f2s, num_q_tokens=nq, **kw)
+            elif kind == "host":
+                plan = dsv4.plan_compress_prefill(rids_d, L, E, r2t, f2s, num_q_tokens=int(E.sum()), **kw)
+                x = x[: int(E.sum())]
+            elif kind == "prefill_out":
+                plan = dsv4.plan_compress_prefill(rids_d, L_d, E_d, r2t, f2s, num_q_tokens=nq, out=(plan_c, plan_w),
+                                                  **kw)
+            elif kind == "decode":
+                plan = dsv4.plan_compress_decode(rids_d, L_d, r2t, f2s, **kw)
+            else:
+                plan = dsv4.plan_compress_decode(rids_d, L_d, r2t, f2s, out=plan_d, **kw)
+            y = dsv4.compress_forward(e.state, x, ape, plan, head_dim=e.D)
+            reused = kind.endswith("_out")  # the buffer is rewritten by the next step of its kind
+            results.append((None if reused else plan.plan, None if reused else plan.plan_w, y))
+        outs = [tuple(None if t is None else t.cpu() for t in r) for r in results]
+        outs.append((plan_c.cpu(), plan_w.cpu(), plan_d.cpu()))
+        emitted = sum(int((r[2] != 0).any(dim=1).sum()) for r in outs[:-1])
+        assert emitted >= 5, (name, emitted)  # the chains compress, not only write
+        out[("chain", name)] = (outs, e.state[e.ring:].cpu())
     torch.save(out, sys.argv[1])
 """)
 
@@ -861,10 +1068,15 @@ _PDL_SCRIPT = textwrap.dedent("""
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_pdl_on_and_off_give_identical_bytes(tmp_path):
-    off, on = run_with_pdl_off_and_on(_PDL_SCRIPT, tmp_path, os.path.dirname(os.path.abspath(__file__)))
+    """§4.6 / §8.3: the same calls in a process with SGL_DSV4_PDL=0 and one with =1 give identical plans (every
+    planner kernel: decode, the one-launch and scan -> emit GPU-input planners, host-input stage 1, the _out
+    forms), outputs and state outside owner 0."""
+    off, on = run_with_pdl_off_and_on(_PDL_SCRIPT, tmp_path, os.path.dirname(os.path.abspath(__file__)), "cuda")
+    assert off.keys() == on.keys() and ("chain", "c4-paged-B1100") in off
     for key in off:
         (outs_off, state_off), (outs_on, state_on) = off[key], on[key]
         assert torch.equal(state_off, state_on), key
+        assert len(outs_off) == len(outs_on), key
         for a, b in zip(outs_off, outs_on):
             for u, v in zip(a, b):
                 assert (u is None and v is None) or torch.equal(u, v), key

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sgl_dsv4_kernels as dsv4
+from sgl_dsv4_kernels import compress as C
 from sgl_dsv4_kernels import reference as ref
 
 from compress_cases import CUDA_MARKS, DEVICES, HAS_CUDA, Engine, capacity, gen, width_of
@@ -49,6 +50,86 @@ def test_check_ring_serves_draft_tokens_message():
     with pytest.raises(ValueError,
                        match=r"^ratio-128 state ring of 128 rows serves at most 1 draft tokens; grow the ring$"):
         dsv4.check_ring_serves_draft_tokens(128, 128, 2)
+
+
+def test_state_utilities_accept_every_valid_argument():
+    """The valid domains of §2.1-2.3 and §1.4: ratios 4 and 128, head_dim 512 (and 128 for c4), rings that are
+    multiples of the ratio and at least the window, owners >= 1 (the dummy owner alone included)."""
+    for ratio, D, rings in [(4, 512, (8, 12, 16, 24)), (4, 128, (8, 16)), (128, 512, (128, 256, 384))]:
+        W = (4 if ratio == 4 else 2) * D
+        assert C.state_row_width(ratio, D) == W
+        for ring in rings:
+            assert C.ring_capacity(ratio, ring) == capacity(ratio, ring)
+            C.check_ring_serves_draft_tokens(ratio, ring, 0)
+            C.check_ring_serves_draft_tokens(ratio, ring, capacity(ratio, ring))
+            for owners in (1, 3):
+                s = dsv4.alloc_compress_state(ratio, D, owners, ring)
+                assert s.shape == (owners * ring + ratio, W)
+                assert torch.all(s[:-ratio] == 0) and torch.all(s[-ratio:, W // 2:] == float("-inf"))
+                assert C.reset_compress_state(s.view(-1, ratio, W), ratio, D).shape == (owners * ring // ratio + 1,
+                                                                                      ratio, W)
+    assert C.ring_capacity(4, 12) == 6 and C.compress_window(1) == 1 and C.compress_window(2) == 2
+    ckpt = torch.randn(4, 1024, generator=gen("ape-valid"))
+    assert torch.equal(dsv4.ape_for_kernel(ckpt, compress_ratio=4), torch.cat([ckpt[:, :512], ckpt[:, 512:]]))
+    c128 = torch.randn(128, 512, generator=gen("ape-valid")).bfloat16()
+    assert torch.equal(dsv4.ape_for_kernel(c128, compress_ratio=128), c128.float())
+
+
+# (name, call, message): each error names the function and the argument (ARCHITECTURE §1).
+UTILITY_BAD = [
+    ("serves_ring_below_window", lambda: C.check_ring_serves_draft_tokens(4, 4, 1),
+     r"^check_ring_serves_draft_tokens: ring must be .* got 4$"),
+    ("serves_ring_not_multiple", lambda: C.check_ring_serves_draft_tokens(4, 18, 1),
+     r"^check_ring_serves_draft_tokens: ring .* got 18$"),
+    ("serves_c128_ring_below_window", lambda: C.check_ring_serves_draft_tokens(128, 64, 1),
+     r"^check_ring_serves_draft_tokens: ring .* got 64$"),
+    ("serves_ratio", lambda: C.check_ring_serves_draft_tokens(2, 4, 1),
+     r"^check_ring_serves_draft_tokens: ratio must be 4 or 128, got 2$"),
+    ("serves_negative_drafts", lambda: C.check_ring_serves_draft_tokens(4, 16, -1),
+     r"^check_ring_serves_draft_tokens: draft_tokens must be >= 0, got -1$"),
+    ("capacity_ring", lambda: C.ring_capacity(128, 200), r"^ring_capacity: ring .* got 200$"),
+    ("capacity_ratio", lambda: C.ring_capacity(2, 4), r"^ring_capacity: ratio must be 4 or 128, got 2$"),
+    ("window_ratio", lambda: C.compress_window(3), r"^compress_window: ratio must be 1, 2, 4 or 128, got 3$"),
+    ("width_ratio", lambda: C.state_row_width(2, 512), r"^state_row_width: ratio must be 4 or 128, got 2$"),
+    ("width_head_dim", lambda: C.state_row_width(4, 256), r"^state_row_width: head_dim must be 128 or 512"),
+    ("alloc_ratio", lambda: dsv4.alloc_compress_state(2, 512, 2, 2),
+     r"^alloc_compress_state: ratio must be 4 or 128, got 2$"),
+    ("alloc_head_dim_256", lambda: dsv4.alloc_compress_state(4, 256, 2, 8),
+     r"^alloc_compress_state: head_dim must be 128 or 512 for ratio 4, got 256$"),
+    ("alloc_c128_head_dim_128", lambda: dsv4.alloc_compress_state(128, 128, 2, 128),
+     r"^alloc_compress_state: head_dim must be 512 for ratio 128, got 128$"),
+    ("alloc_no_dummy_owner", lambda: dsv4.alloc_compress_state(4, 512, 0, 8),
+     r"^alloc_compress_state: owners must be >= 1 \(owner 0 is the dummy owner of padded rows\), got 0$"),
+    ("alloc_ring_below_window", lambda: dsv4.alloc_compress_state(4, 512, 2, 4),
+     r"^alloc_compress_state: ring .* got 4$"),
+    ("alloc_ring_not_multiple", lambda: dsv4.alloc_compress_state(128, 512, 2, 200),
+     r"^alloc_compress_state: ring .* got 200$"),
+    ("alloc_dtype", lambda: dsv4.alloc_compress_state(4, 512, 2, 8, torch.float16),
+     r"^alloc_compress_state: dtype must be float32 or bfloat16"),
+    ("reset_width", lambda: C.reset_compress_state(torch.zeros(12, 512), 4, 512),
+     r"^reset_compress_state: state must be \[rows, 2048\]"),
+    ("reset_head_dim", lambda: C.reset_compress_state(torch.zeros(12, 1024), 4, 256),
+     r"^reset_compress_state: head_dim must be 128 or 512"),
+    ("ape_ratio_2", lambda: dsv4.ape_for_kernel(torch.zeros(4, 1024), compress_ratio=2),
+     r"^ape_for_kernel: compress_ratio must be 4 or 128, got 2$"),
+    ("ape_c128_D", lambda: dsv4.ape_for_kernel(torch.zeros(128, 128)),
+     r"^ape_for_kernel: a c128 ape must be \[128, 512\], got \[128, 128\]$"),
+    ("ape_c128_explicit_D", lambda: dsv4.ape_for_kernel(torch.zeros(128, 1024), compress_ratio=128),
+     r"^ape_for_kernel: a c128 ape must be \[128, 512\], got \[128, 1024\]$"),
+    ("ape_c128_as_c4", lambda: dsv4.ape_for_kernel(torch.zeros(128, 512), compress_ratio=4),
+     r"^ape_for_kernel: a c4 ape must be \[4, 2D\] with D = 512 or 128, got \[128, 512\]$"),
+    ("ape_c4_D", lambda: dsv4.ape_for_kernel(torch.zeros(4, 512)),
+     r"^ape_for_kernel: a c4 ape must be \[4, 2D\] with D = 512 or 128, got \[4, 512\]$"),
+    ("ape_kernel_layout", lambda: dsv4.ape_for_kernel(torch.zeros(8, 512)),
+     r"^ape_for_kernel: cannot infer compress_ratio from ape of shape \[8, 512\]"),
+    ("ape_1d", lambda: dsv4.ape_for_kernel(torch.zeros(4)), r"^ape_for_kernel: ape must be 2-D"),
+]
+
+
+@pytest.mark.parametrize("name,call,message", UTILITY_BAD, ids=[b[0] for b in UTILITY_BAD])
+def test_state_utilities_reject_bad_arguments(name, call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -140,9 +221,9 @@ CONFIG_IDS = ["c4-ring8-paged", "c4-ring16-paged", "c4-ring16-reqring", "c128-ri
               "c4-ring24-paged-sps120", "c128-ring384"]
 
 
-# GPU-input path: B <= 32 runs one warp, 100 several (with more rows than a request's owner lanes
-# write), 700 one block of 22 scanning warps, 1025 and 3000 the two-launch path.
-BATCHES = [1, 7, 100, 700, 1025, 3000]
+# GPU-input path: B = 0 plans sentinels only, B <= 32 runs one warp, 100 several (with more rows than a
+# request's owner lanes write), 700 one block of 22 scanning warps, 1025 and 3000 the two-launch path.
+BATCHES = [0, 1, 7, 100, 700, 1025, 3000]
 
 
 @pytest.mark.parametrize("B", BATCHES)
@@ -163,6 +244,29 @@ def test_cpu_planners_match_reference(B, ratio, ring, paged, sps):
     d = dsv4.plan_compress_decode(c["rids"], c["L"], c["r2t"], c["f2s"], **c["kw"]).plan
     assert torch.equal(d, ref.plan_compress_decode(c["rids"], c["L"], c["r2t"], c["f2s"], ratio,
                                                    c["kw"]["swa_page_size"], ring, not paged))
+    if B > 1025:  # the host planner has no batch-size-dependent path; spare the reference's time
+        return
+    # The other dtype of every index tensor, an int32 full_to_swa included (its wrapped values are the
+    # reference's input too)
+    s = swap_index_dtypes(c)
+    assert s["f2s"].dtype == torch.int32 and s["r2t"].dtype == torch.int64
+    rc, rw = ref_plans(s, True)
+    got = dsv4.plan_compress_prefill(s["rids"], s["L"], s["E"], s["r2t"], s["f2s"], num_q_tokens=s["nq"],
+                                     use_cuda_graph=True, **s["kw"])
+    assert torch.equal(got.plan, rc) and torch.equal(got.plan_w, rw)
+    d = dsv4.plan_compress_decode(s["rids"], s["L"], s["r2t"], s["f2s"], **s["kw"]).plan
+    assert torch.equal(d, ref.plan_compress_decode(s["rids"], s["L"], s["r2t"], s["f2s"], ratio,
+                                                   s["kw"]["swa_page_size"], ring, not paged))
+
+
+INDEX_KEYS = ("rids", "L", "E", "r2t", "f2s")
+
+
+def swap_index_dtypes(c, dtypes=None):
+    """The case with each index tensor in the given dtype (default: the other one of int32 / int64)."""
+    if dtypes is None:
+        dtypes = [torch.int64 if c[k].dtype == torch.int32 else torch.int32 for k in INDEX_KEYS]
+    return dict(c, **{k: c[k].to(dt) for k, dt in zip(INDEX_KEYS, dtypes)})
 
 
 @cuda_only
@@ -197,6 +301,35 @@ def test_every_path_gives_the_same_bytes(B, ratio, ring, paged, sps):
     d_out = torch.full((B, 16), 0x5A, dtype=torch.uint8, device="cuda")
     dsv4.plan_compress_decode(cu["rids"], cu["L"], cu["r2t"], cu["f2s"], out=d_out, **c["kw"])
     assert torch.equal(d_cpu, d_gpu.cpu()) and torch.equal(d_cpu, d_out.cpu())
+
+
+@cuda_only
+@pytest.mark.parametrize("B", [1025, 3000])
+@pytest.mark.parametrize("ratio,ring,paged,sps", CONFIGS, ids=CONFIG_IDS)
+def test_two_launch_planner_index_dtypes(B, ratio, ring, paged, sps):
+    """The scan -> emit GPU planner (B > 1024), the host-input path's stage 1 and the decode planner with every
+    index tensor in int32 and in int64: all int32, all int64, and the complement of random_case's mix (which
+    test_every_path_gives_the_same_bytes runs), against the reference on the same tensors."""
+    c = random_case(B, ratio, ring, paged, "dtypes", sps=sps, max_extend=6)
+    I32, I64 = torch.int32, torch.int64
+    for dtypes in ([I32] * 5, [I64] * 5, None):
+        s = swap_index_dtypes(c, dtypes)
+        rc, rw = ref_plans(s, True)
+        n_c = int(ref.unpack_plan(rc, "compress")["valid"].sum())
+        n_w = int(ref.unpack_plan(rw, "write")["valid"].sum())
+        cu = {k: s[k].cuda() for k in INDEX_KEYS}
+        common = dict(num_q_tokens=s["nq"], **s["kw"])
+        p = dsv4.plan_compress_prefill(cu["rids"], cu["L"], cu["E"], cu["r2t"], cu["f2s"], **common)
+        assert torch.equal(p.plan.cpu(), rc) and torch.equal(p.plan_w.cpu(), rw), [s[k].dtype for k in INDEX_KEYS]
+        pc = torch.full((s["nq"], 16), 0x5A, dtype=torch.uint8, device="cuda")
+        pw = torch.full((s["nq"], 8), 0x5A, dtype=torch.uint8, device="cuda")
+        dsv4.plan_compress_prefill(cu["rids"], cu["L"], cu["E"], cu["r2t"], cu["f2s"], out=(pc, pw), **common)
+        assert torch.equal(pc.cpu(), rc) and torch.equal(pw.cpu(), rw), [s[k].dtype for k in INDEX_KEYS]
+        p = dsv4.plan_compress_prefill(cu["rids"], s["L"], s["E"], cu["r2t"], cu["f2s"], **common)  # host input
+        assert torch.equal(p.plan.cpu(), rc[:n_c]) and torch.equal(p.plan_w.cpu(), rw[:n_w])
+        d = dsv4.plan_compress_decode(cu["rids"], cu["L"], cu["r2t"], cu["f2s"], **s["kw"]).plan
+        assert torch.equal(d.cpu(), ref.plan_compress_decode(s["rids"], s["L"], s["r2t"], s["f2s"], ratio,
+                                                             s["kw"]["swa_page_size"], ring, not paged))
 
 
 @cuda_only
@@ -426,36 +559,54 @@ def test_batch_size_bound(device):
 def test_sentinel_boundary_ragged_id_65535(device):
     """65534 requests, the last with 3 tokens: the final WritePlan row (ragged id 65535, word 0 =
     0x0000FFFF) is valid and compress_forward writes its state row; a CompressPlan row with ragged id
-    65535 fills its output row."""
+    65535 fills its output row. The whole state (pad page included) and every output row are compared with
+    closed forms, on compact plans and on plans padded with sentinel rows (which must be skipped)."""
     B = 65534
     rids = torch.zeros(B, dtype=torch.int32)
     rids[-1] = 1
     L = torch.ones(B, dtype=torch.int32)
     L[-1] = 3
     kw = dict(compress_ratio=4, ring_size=8, use_req_ring=True)
+    x = torch.zeros(65536, 512)
+    x[-3:] = torch.randn(3, 512, generator=gen("sentinel"))
+    # padded rows (rid 0, p = 0) write zero rows to owner 0's row 0; request 1 writes positions 0..2 to rows 8..10
+    expected = dsv4.alloc_compress_state(4, 128, 2, 8)
+    expected[8:11] = x[65533:]
     for path in paths(device):
-        r_dev = rids.to(device)
-        lens = (L, L) if path == "host" else (L.to(device), L.to(device))
-        p = dsv4.plan_compress_prefill(r_dev, *lens, num_q_tokens=65536, **kw)
-        w = ref.unpack_plan(p.plan_w, "write")
-        last = int(w["valid"].nonzero()[-1])
-        assert int(w["word0"][last]) == 0xFFFF and int(w["write_loc"][last]) == 8 + 2
-        state = dsv4.alloc_compress_state(4, 128, 2, 8, device=device)
-        x = torch.zeros(65536, 512)
-        x[-3:] = torch.randn(3, 512, generator=gen("sentinel"))
-        x = x.to(device)
-        dsv4.compress_forward(state, x, torch.zeros(8, 128, device=device), p, head_dim=128)
-        assert torch.equal(state[10], x[65535]) and torch.equal(state[8], x[65533])
-    # A CompressPlan row with ragged id 65535: the 16 x 4096 case, c4 D=128.
+        for use_cuda_graph in ((False, True) if path != "gpu" else (True,)):
+            r_dev = rids.to(device)
+            lens = (L, L) if path == "host" else (L.to(device), L.to(device))
+            p = dsv4.plan_compress_prefill(r_dev, *lens, num_q_tokens=65536, use_cuda_graph=use_cuda_graph, **kw)
+            w = ref.unpack_plan(p.plan_w, "write")
+            last = int(w["valid"].nonzero()[-1])
+            assert int(w["word0"][last]) == 0xFFFF and int(w["write_loc"][last]) == 8 + 2
+            assert p.plan.shape[0] == (65536 if use_cuda_graph else 0)  # no token closes a chunk
+            state = dsv4.alloc_compress_state(4, 128, 2, 8, device=device)
+            out = dsv4.compress_forward(state, x.to(device), torch.zeros(8, 128, device=device), p, head_dim=128)
+            assert torch.equal(state.cpu(), expected), (path, use_cuda_graph)
+            assert out.shape == (p.plan.shape[0], 128) and torch.all(out == 0)
+    # A CompressPlan row with ragged id 65535: the 16 x 4096 case, c4 D=128, padded with sentinel rows so that
+    # invalid rows exist on every path (a compact plan has none).
     e = Engine(4, 128, 8, paged=False, num_requests=16, max_tokens=4096, device=device, seed=("65535",))
     x = e.rows(65536)
-    plan = planner_call(device, e, list(range(1, 17)), [4096] * 16, [4096] * 16)
+    plan = dsv4.plan_compress_prefill(*(torch.tensor(v, device=device) for v in (list(range(1, 17)), [4096] * 16,
+                                                                                  [4096] * 16)),
+                                      num_q_tokens=65536, use_cuda_graph=True, **e.plan_kwargs())
     out = dsv4.compress_forward(e.state, x.to(device), e.ape.to(device), plan, head_dim=128).cpu()
     c = ref.unpack_plan(plan.plan, "compress")
-    k = int(((c["ragged_id"] == 65535) & c["valid"]).nonzero())
-    truth = ref.compress_entries_fp64(x[65536 - 4096:], e.ape, 4, 128)[-1]
-    torch.testing.assert_close(out[k].double(), truth, atol=2e-5, rtol=2e-5)
-    assert torch.all(out[~c["valid"]] == 0)
+    valid = c["valid"]
+    assert int(valid.sum()) == 16384 and int((~valid).sum()) == 65536 - 16384
+    k = int(((c["ragged_id"] == 65535) & valid).nonzero())
+    truth = torch.stack([ref.compress_entries_fp64(x[4096 * b:4096 * (b + 1)], e.ape, 4, 128) for b in range(16)])
+    torch.testing.assert_close(out[k].double(), truth[15, -1], atol=2e-5, rtol=2e-5)
+    q, g = c["ragged_id"][valid], c["seq_len"][valid] // 4 - 1
+    torch.testing.assert_close(out[valid].double(), truth[q // 4096, g], atol=2e-5, rtol=2e-5)
+    assert torch.all(out[~valid] == 0)
+    # each request writes its last chunk, positions 4092..4095, to ring rows rid * 8 + 4..7
+    state = dsv4.alloc_compress_state(4, 128, 17, 8)
+    for rid in range(1, 17):
+        state[rid * 8 + 4:rid * 8 + 8] = x[4096 * rid - 4:4096 * rid]
+    assert torch.equal(e.state.cpu(), state)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -538,9 +689,11 @@ PREFILL_BAD = COMMON_BAD + [
     ("extend_gt_seq", dict(extend_lens=torch.tensor([6, 3]), num_q_tokens=9), "extend_lens"),
     ("extend_negative", dict(extend_lens=torch.tensor([-1, 3])), "extend_lens"),
     ("seq_too_long", dict(seq_lens=torch.tensor([2**31, 9])), "seq_lens"),
+    ("seq_negative", dict(seq_lens=torch.tensor([-3, 9]), extend_lens=torch.tensor([0, 3])),
+     r"seq_lens\[0\]=-3 must lie in \[0, 2\^31 - 1\]"),
     ("sum_extend", dict(num_q_tokens=4), "extend_lens"),
 ]
-VALUE_CHECKS = {"extend_gt_seq", "extend_negative", "seq_too_long", "sum_extend"}
+VALUE_CHECKS = {"extend_gt_seq", "extend_negative", "seq_too_long", "seq_negative", "sum_extend"}
 
 
 @pytest.mark.parametrize("name,change,arg", COMMON_BAD, ids=[b[0] for b in COMMON_BAD])

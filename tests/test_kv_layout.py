@@ -173,6 +173,7 @@ def test_pair_matrix(pair):
     assert is_valid_kv_layout_pair(KVLayout(main), KVLayout(extra)) is expected
     assert is_valid_kv_layout_pair(main, extra) is expected
     assert is_valid_kv_layout_pair(SPEC_NAMES[main], SPEC_NAMES[extra].upper()) is expected
+    assert torch.ops.dsv4.kv_layout_pair_valid(main, extra) is expected  # the C++ function
 
 
 def test_pair_with_unknown_layout_raises():
@@ -180,6 +181,9 @@ def test_pair_with_unknown_layout_raises():
         is_valid_kv_layout_pair(1, 3)
     with pytest.raises((ValueError, TypeError)):
         is_valid_kv_layout_pair("v5", "v4")
+    for main, extra, name in ((1, 3, "extra"), (-1, 0, "main"), (2**32, 0, "main"), (0, 2**32 + 1, "extra")):
+        with pytest.raises(RuntimeError, match=rf"dsv4\.kv_layout_pair_valid: {name} must be a KVLayout id"):
+            torch.ops.dsv4.kv_layout_pair_valid(main, extra)
 
 
 # ---------------------------------------------------------------------------------------------------

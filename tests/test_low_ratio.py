@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -47,11 +48,13 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def norm_weight(seed: int) -> torch.Tensor:
+def norm_weight(seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """bf16 (the spec's type) or fp32 (also accepted): fp32 weights keep bits a bf16 weight cannot hold, so a
+    kernel that rounded them to bf16 would show."""
     g = gen(seed)
     w = 1.0 + 0.25 * torch.randn(512, generator=g)
     w[torch.randperm(512, generator=g)[:8]] = 0.0
-    return w.to(torch.bfloat16)
+    return w.to(dtype)
 
 
 def general_rows(n: int, width: int, seed: int) -> torch.Tensor:
@@ -78,6 +81,19 @@ def make_cache(layout: KVLayout, page_size: int, num_pages: int, seed: int, devi
     width = layout.page_bytes(page_size) + (48 if wide else 0)
     buf = torch.randint(0, 256, (num_pages, width), dtype=torch.uint8, generator=gen(seed)).to(device)
     return buf[:, : layout.page_bytes(page_size)], buf
+
+
+def misaligned(x: torch.Tensor, device, offset: int = 3, pad: int = 12):
+    """x (fp32 rows) as a column slice of a wider NaN-filled buffer at an odd element offset, with a row stride
+    that is a multiple of 16 bytes: no row starts 16-byte aligned, so the kernels take their element-wise loads and
+    stores (vec_io.cuh), and a read outside the view would bring a NaN in. Returns (view, whole buffer)."""
+    n, width = x.shape
+    whole = torch.full((n, width + pad), float("nan"), dtype=x.dtype)
+    whole[:, offset:offset + width] = x
+    whole = whole.to(device)
+    view = whole[:, offset:offset + width]
+    assert view.data_ptr() % 16 and (view.stride(0) * view.element_size()) % 16 == 0
+    return view, whole
 
 
 def num_pages_for(page_size: int, tokens: int) -> int:
@@ -168,7 +184,8 @@ def test_state_ring_size():
 # c1
 
 
-def c1_case(layout, page_size, idx_dtype, device, seed, n=37, wide=False, strided=False):
+def c1_case(layout, page_size, idx_dtype, device, seed, n=37, wide=False, strided=False,
+            weight_dtype=torch.bfloat16):
     """Distinct valid slots plus every skip kind: out_loc 0 and -1 (padded), slot == capacity and far past it,
     positions max_pos and -1."""
     g = gen(seed)
@@ -189,7 +206,8 @@ def c1_case(layout, page_size, idx_dtype, device, seed, n=37, wide=False, stride
         x = wide_x[:, 5:517]
     store = [s if 0 < s < capacity and 0 <= pos < MAX_POS else -1 for s, pos in zip(slots, positions)]
     return dict(
-        kv_input=x.to(device), norm_weight=norm_weight(seed).to(device), positions=idx(positions, idx_dtype, device),
+        kv_input=x.to(device), norm_weight=norm_weight(seed, weight_dtype).to(device),
+        positions=idx(positions, idx_dtype, device),
         out_loc=idx(slots, idx_dtype, device), cache=cache, buf=buf, store=store, raw_positions=positions,
     )
 
@@ -206,18 +224,24 @@ def run_c1(case, page_size, layout):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.str_name)
 def test_c1_matches_reference(device, layout, page_size, idx_dtype):
     seed = 100 * int(layout) + page_size + (7 if idx_dtype == torch.int64 else 0)
-    case = c1_case(layout, page_size, idx_dtype, device, seed, wide=page_size == 64, strided=page_size == 128)
+    # fp32 norm weights (accepted besides the spec's bf16) on two page sizes: every layout and index dtype.
+    weight_dtype = torch.float32 if page_size in (1, 256) else torch.bfloat16
+    case = c1_case(layout, page_size, idx_dtype, device, seed, wide=page_size == 64, strided=page_size == 128,
+                   weight_dtype=weight_dtype)
     before = case["buf"].cpu().clone()
+    width = case["cache"].shape[1]
     latent = run_c1(case, page_size, layout)
     assert latent.dtype == torch.bfloat16 and latent.shape == (37, 512) and latent.is_contiguous()
-    ref_cache, _ = make_cache(layout, page_size, case["cache"].shape[0], 0, "cpu")
+    ref_cache = before[:, :width].clone()  # the same poisoned bytes
     ref = R.c1_decode_norm_rope_store(case["kv_input"].cpu(), case["norm_weight"].cpu(), case["positions"].cpu(),
                                       case["out_loc"].cpu(), EPS, TABLE, ref_cache, page_size, int(layout))
     torch.testing.assert_close(latent.cpu().float(), ref.float(), **LATENT_TOL)
     assert_bits_equal(latent, ref, "latent (no exp on this path: exact on every device)")
-    want = expected_whole_buffer(before, before[:, : case["cache"].shape[1]], latent, case["store"],
-                                 case["raw_positions"], page_size, layout)
+    want = expected_whole_buffer(before, before[:, :width], latent, case["store"], case["raw_positions"], page_size,
+                                 layout)
     assert_same(case["buf"], want, "c1 cache bytes")
+    # The reference's own cache, whole: the latents are exact, so the bytes are too.
+    assert_same(case["buf"][:, :width], ref_cache, "c1 cache bytes against the reference")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -250,16 +274,23 @@ def test_c1_accepts_complex_freqs_cis():
 class C2Setup:
     """The pair-state pool and cache shared by a sequence of c2 calls."""
 
-    def __init__(self, layout, page_size, ring, owners, seed, device, cache_tokens=2048, pad_rows=2):
+    def __init__(self, layout, page_size, ring, owners, seed, device, cache_tokens=2048, pad_rows=2,
+                 weight_dtype=torch.bfloat16, strided=False):
+        """strided: the ring is a misaligned column slice of a wider NaN-filled buffer (`state_buf`, see
+        misaligned) and the cache a column slice of a wider one (page stride > page_bytes)."""
         self.layout, self.page_size, self.ring, self.owners = layout, page_size, ring, owners
         self.device = device
         g = gen(seed)
         # Parked rows from earlier steps: random fp32 (kv, score) rows.
-        self.state = (torch.randn(owners * ring + pad_rows, 1024, generator=g) * 2).to(device)
+        state = torch.randn(owners * ring + pad_rows, 1024, generator=g) * 2
+        if strided:
+            self.state, self.state_buf = misaligned(state, device, offset=1)
+        else:
+            self.state = self.state_buf = state.to(device)
         pages = num_pages_for(page_size, cache_tokens)
-        self.cache, self.buf = make_cache(layout, page_size, pages, seed + 1, device)
+        self.cache, self.buf = make_cache(layout, page_size, pages, seed + 1, device, wide=strided)
         self.capacity = pages * page_size
-        self.weight = norm_weight(seed + 2).to(device)
+        self.weight = norm_weight(seed + 2, weight_dtype).to(device)
         self.table = TABLE.to(device)
 
     def call(self, kv_input, positions, req, raw, draft_len=0, state=None, cache=None):
@@ -273,6 +304,22 @@ class C2Setup:
         return R.c2_decode_or_verify_norm_rope_store(
             kv_input.cpu(), state, self.weight.cpu(), positions.cpu(), req.cpu(), raw.cpu(), EPS, TABLE, cache,
             self.page_size, self.ring, draft_len, int(self.layout))
+
+
+def c2_store_slots(setup: C2Setup, positions, raw):
+    """§5.3: the cache slot raw >> 1 of each row that stores (odd p >= 0, raw > 0, slot < capacity, p - 1 in the
+    table), else -1."""
+    return [(loc >> 1) if p >= 0 and p % 2 and loc > 0 and (loc >> 1) < setup.capacity and 0 <= p - 1 < MAX_POS
+            else -1 for p, loc in zip(positions, raw)]
+
+
+def assert_ring_buffer(setup: C2Setup, state_buf0: torch.Tensor, want_state: torch.Tensor):
+    """The whole buffer of the ring (state_buf0 before the call) holds want_state in the ring's columns and is
+    bitwise unchanged elsewhere (the NaN padding of a strided ring included)."""
+    want = state_buf0.clone()
+    offset = (setup.state.data_ptr() - setup.state_buf.data_ptr()) // 4  # 0 unless strided
+    want[:, offset:offset + 1024] = want_state
+    assert_same(setup.state_buf.view(torch.int32), want.view(torch.int32), "whole ring buffer (bits)")
 
 
 def c2_decode_rows(setup: C2Setup, seed: int, wide: bool = False):
@@ -328,11 +375,20 @@ def c2_decode_rows(setup: C2Setup, seed: int, wide: bool = False):
 @pytest.mark.parametrize("idx_dtype", INDEX_DTYPES, ids=["i32", "i64"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.str_name)
-def test_c2_decode_matches_reference(device, layout, page_size, idx_dtype):
+@pytest.mark.parametrize("ring", [8, 2, 1], ids=lambda r: f"ring{r}")
+def test_c2_decode_matches_reference(ring, device, layout, page_size, idx_dtype):
+    """Ring 2 is the default without speculation (state_ring_size(2, 0)); ring 1 is the smallest §5.2 allows, where
+    an even row's write and an odd row's read share the request's only row."""
     seed = 1000 + 100 * int(layout) + page_size + (7 if idx_dtype == torch.int64 else 0)
-    setup = C2Setup(layout, page_size, ring=8, owners=24, seed=seed, device=device)
+    if ring != 8:  # ring 8 keeps its original inputs
+        seed += 5000 * ring
+    # fp32 norm weights (accepted besides the spec's bf16) on two page sizes, a misaligned strided ring and a cache
+    # wider than its pages on a third: every ring, layout and index dtype.
+    weight_dtype = torch.float32 if page_size in (1, 256) else torch.bfloat16
+    setup = C2Setup(layout, page_size, ring=ring, owners=24, seed=seed, device=device, weight_dtype=weight_dtype,
+                    strided=page_size == 128)
     x, positions, req, raw, kinds = c2_decode_rows(setup, seed, wide=idx_dtype == torch.int64)
-    state0, buf0 = setup.state.cpu().clone(), setup.buf.cpu().clone()
+    state0, buf0, state_buf0 = setup.state.cpu().clone(), setup.buf.cpu().clone(), setup.state_buf.cpu().clone()
     args = [x.to(device)] + [idx(v, idx_dtype, device) for v in (positions, req, raw)]
     latent = setup.call(*args)
 
@@ -344,6 +400,7 @@ def test_c2_decode_matches_reference(device, layout, page_size, idx_dtype):
     torch.testing.assert_close(latent.cpu().float()[specified], ref.float()[specified], **LATENT_TOL)
     if device == "cpu":  # the CPU kernel's exp is the reference's correctly rounded one (pair_pool.cuh)
         assert_bits_equal(latent, ref, "CPU latent")
+        assert_same(setup.cache, ref_cache, "CPU cache bytes against the reference")
 
     # Exactly zero latents for even rows and p < 0; padded odd rows still pool.
     lat = latent.cpu()
@@ -367,6 +424,7 @@ def test_c2_decode_matches_reference(device, layout, page_size, idx_dtype):
             want_state[req[i] * setup.ring + positions[i] % setup.ring] = x[i]
     assert_same(setup.state, want_state, "ring state")
     assert_same(ref_state, want_state, "reference ring state")
+    assert_ring_buffer(setup, state_buf0, want_state)
 
     # Cache: the live odd rows with slot < capacity and p - 1 in the table, from the op's own latent.
     store = [(loc >> 1) if k in ("odd", "equal") and loc > 0 and (loc >> 1) < setup.capacity
@@ -422,12 +480,13 @@ def decode_replay(setup, x, positions, req, raw, draft_len, idx_dtype, state, ca
 
 
 def rings_for(draft_len):
-    return [("pow2", dsv4.state_ring_size(2, draft_len)), ("narrowest", draft_len + 1)]
+    pow2, narrowest = dsv4.state_ring_size(2, draft_len), draft_len + 1
+    return [("pow2", pow2)] + ([("narrowest", narrowest)] if narrowest != pow2 else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padded", [0, 1])
-@pytest.mark.parametrize("draft_len", [2, 5, 6, 9])
+@pytest.mark.parametrize("draft_len", [1, 2, 5, 6, 9])
 @pytest.mark.parametrize("bs", [1, 3, 8])
 def test_c2_verify_equals_successive_decodes(device, bs, draft_len, padded):
     for ring_kind, ring in rings_for(draft_len):
@@ -450,16 +509,124 @@ def test_c2_verify_equals_successive_decodes(device, bs, draft_len, padded):
         assert all(bits(latent_v[i]).any() for i in padded_odd)
 
 
+def check_c2_against_reference(setup: C2Setup, latent, ref, ref_state, ref_cache, state_buf0, buf0, positions, raw,
+                               specified=None):
+    """The checks shared by the c2 reference comparisons, after the op ran on `setup` and the reference on CPU
+    copies (ref_state, ref_cache) of its ring and cache view, whose whole buffers were state_buf0 and buf0: latents
+    within tolerance (rows in `specified` only, a bool mask), the ring view equal to the reference's and the rest of
+    its buffer unchanged, the whole cache buffer byte-exact against §5.4 on the op's own latents (bytes outside the
+    view unchanged), and on the CPU the reference's latents and cache bytes bit for bit."""
+    if specified is None:
+        specified = torch.ones(latent.shape[0], dtype=torch.bool)
+    torch.testing.assert_close(latent.cpu().float()[specified], ref.float()[specified], **LATENT_TOL)
+    assert_same(setup.state, ref_state, "ring state")
+    assert_ring_buffer(setup, state_buf0, ref_state)
+    width = setup.cache.shape[1]
+    want = expected_whole_buffer(buf0, buf0[:, :width], latent, c2_store_slots(setup, positions, raw),
+                                 [p - 1 for p in positions], setup.page_size, setup.layout)
+    assert_same(setup.buf, want, "whole cache buffer")
+    if setup.device == "cpu":  # the CPU exp is the reference's correctly rounded one; on CUDA it may differ in a bit
+        assert_bits_equal(latent, ref, "CPU latent")
+        assert_same(setup.cache, ref_cache, "CPU cache bytes against the reference")
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_c2_verify_matches_reference(device):
-    setup = C2Setup(KVLayout.V41_FP4, 64, ring=8, owners=8, seed=77, device=device)
-    x, positions, req, raw = verify_batch(setup, 4, 5, 1, 77)
+@pytest.mark.parametrize("ring,draft_len,weight_dtype", [
+    (8, 5, torch.bfloat16), (8, 5, torch.float32), (2, 1, torch.bfloat16), (2, 1, torch.float32),
+    (3, 2, torch.float32)], ids=["ring8-d5-wbf16", "ring8-d5-wfp32", "ring2-d1-wbf16", "ring2-d1-wfp32",
+                                 "ring3-d2-wfp32"])
+def test_c2_verify_matches_reference(device, ring, draft_len, weight_dtype):
+    """Ring 2 (the default without speculation) serves draft_len 1 only; ring 1 serves no verify."""
+    layout = LAYOUTS[(ring + draft_len) % 3]
+    setup = C2Setup(layout, 64, ring=ring, owners=8, seed=77 + ring, device=device, weight_dtype=weight_dtype)
+    x, positions, req, raw = verify_batch(setup, 4, draft_len, 1, 77 + draft_len)
+    state_buf0, buf0 = setup.state_buf.cpu().clone(), setup.buf.cpu().clone()
     ref_state, ref_cache = setup.state.cpu().clone(), setup.cache.cpu().clone()
     args = [x.to(device)] + [idx(v, torch.int64, device) for v in (positions, req, raw)]
-    latent = setup.call(*args, draft_len=5)
-    ref = setup.reference(*args, ref_state, ref_cache, draft_len=5)
-    torch.testing.assert_close(latent.cpu().float(), ref.float(), **LATENT_TOL)
-    assert_same(setup.state, ref_state, "ring state")
+    latent = setup.call(*args, draft_len=draft_len)
+    ref = setup.reference(*args, ref_state, ref_cache, draft_len=draft_len)
+    check_c2_against_reference(setup, latent, ref, ref_state, ref_cache, state_buf0, buf0, positions, raw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("draft_len", [0, 1, 5])
+def test_c2_strided_misaligned_rows_match_reference(device, draft_len):
+    """kv_input and kv_state as column slices of wider NaN-filled buffers at odd offsets (free row strides, no
+    16-byte aligned row: the kernels' element-wise paths) and a cache whose page stride exceeds page_bytes. Matches
+    the reference run on contiguous copies; nothing outside the views changes (the input buffer included)."""
+    layout = LAYOUTS[draft_len % 3]
+    ring = dsv4.state_ring_size(2, draft_len)
+    seed = 4000 + draft_len
+    setup = C2Setup(layout, 64, ring=ring, owners=24, seed=seed, device=device, strided=True)
+    if draft_len:
+        x, positions, req, raw = verify_batch(setup, 4, draft_len, 1, seed)
+        specified = None
+    else:
+        x, positions, req, raw, kinds = c2_decode_rows(setup, seed)
+        # The padded odd row aliasing a live request: unspecified latent on CUDA (see the decode test).
+        specified = torch.tensor([not (k == "pad_odd" and r == req[0]) for k, r in zip(kinds, req)])
+    x_view, x_buf = misaligned(x, device)
+    x_buf0 = x_buf.cpu().clone()
+    state_buf0, buf0 = setup.state_buf.cpu().clone(), setup.buf.cpu().clone()
+    ref_state, ref_cache = setup.state.cpu().clone(), setup.cache.cpu().clone()
+    assert ref_state.is_contiguous() and ref_cache.is_contiguous()
+    indices = [idx(v, torch.int64, device) for v in (positions, req, raw)]
+    latent = setup.call(x_view, *indices, draft_len=draft_len)
+    ref = setup.reference(x, *indices, ref_state, ref_cache, draft_len=draft_len)
+    check_c2_against_reference(setup, latent, ref, ref_state, ref_cache, state_buf0, buf0, positions, raw,
+                               specified)
+    assert_same(x_buf.view(torch.int32), x_buf0.view(torch.int32), "input buffer (bits)")
+    assert bits(latent.cpu()).any()
+
+
+def overlapping_rows(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """x.shape rows taken `stride` elements apart from x's values laid end to end: repeated rows (stride 0) or
+    rows that overlap (stride < width)."""
+    n, width = x.shape
+    return x.reshape(-1)[: (n - 1) * stride + width].as_strided((n, width), (stride, 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stride", [0, 1, 300], ids=lambda s: f"stride{s}")
+def test_overlapping_input_rows_match_reference(device, stride):
+    """kv_input may have any row stride, repeated or overlapping rows included (the ops only read it): c1 and c2
+    (decode and verify) match the reference run on contiguous copies of the same rows."""
+    case = c1_case(KVLayout.V41_FP4, 64, torch.int64, device, 61 + stride)
+    x = overlapping_rows(case["kv_input"], stride)
+    ref_cache = case["cache"].cpu().clone()
+    latent = run_c1(dict(case, kv_input=x), 64, KVLayout.V41_FP4)
+    ref = R.c1_decode_norm_rope_store(x.cpu().contiguous(), case["norm_weight"].cpu(), case["positions"].cpu(),
+                                      case["out_loc"].cpu(), EPS, TABLE, ref_cache, 64, int(KVLayout.V41_FP4))
+    assert_bits_equal(latent, ref, "c1 latent")
+    assert_same(case["cache"], ref_cache, "c1 cache bytes")
+    for draft_len in (0, 4):
+        setup = C2Setup(LAYOUTS[draft_len % 3], 64, ring=8, owners=8, seed=62 + stride, device=device)
+        rows, positions, req, raw = verify_batch(setup, 4, max(draft_len, 1), 1, 62 + draft_len)
+        x = overlapping_rows(rows.to(device), stride)
+        state_buf0, buf0 = setup.state_buf.cpu().clone(), setup.buf.cpu().clone()
+        ref_state, ref_cache = setup.state.cpu().clone(), setup.cache.cpu().clone()
+        indices = [idx(v, torch.int64, device) for v in (positions, req, raw)]
+        latent = setup.call(x, *indices, draft_len=draft_len)
+        ref = setup.reference(x.cpu().contiguous(), *indices, ref_state, ref_cache, draft_len=draft_len)
+        # Padded odd rows' latents are unspecified (§5.3): compare the live rows'.
+        check_c2_against_reference(setup, latent, ref, ref_state, ref_cache, state_buf0, buf0, positions, raw,
+                                   torch.tensor([loc > 0 for loc in raw]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("draft_len", [0, 3])
+def test_c2_empty_batch_and_fresh_output(device, draft_len):
+    """§7: the latent is a fresh contiguous bf16 [N, 512] tensor that shares no storage with any input."""
+    a = c2_args(device, draft_len=draft_len)
+    latent = c2_op(a)
+    assert latent.dtype == torch.bfloat16 and latent.shape == (a["kv_input"].shape[0], 512)
+    assert latent.is_contiguous()
+    for name, t in a.items():
+        if isinstance(t, torch.Tensor):
+            assert latent.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), name
+    n0 = {k: a[k][:0] for k in ("kv_input", "positions", "req_pool_indices", "raw_out_loc")}
+    empty = c2_op(dict(a, **n0, draft_len=0))
+    assert empty.shape == (0, 512) and empty.dtype == torch.bfloat16
 
 
 def device_pair_pool(partner: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -487,12 +654,14 @@ def with_special_channels(rows: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 @cuda_only
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["wbf16", "wfp32"])
 @pytest.mark.parametrize("draft_len", [0, 3])
-def test_c2_cuda_latents_are_the_device_fp32_pooling(draft_len):
+def test_c2_cuda_latents_are_the_device_fp32_pooling(draft_len, weight_dtype):
     """Bit for bit: every CUDA latent equals the reference RMSNorm of bf16(device_pair_pool(partner, row)). The
     tolerance tests cannot see a last-bit change of the pooling; this one pins the kernel's division and exp to the
-    GPU's IEEE division and expf, including the inputs that take pair_pool_channels' fallback."""
-    setup = C2Setup(KVLayout.V41, 64, ring=8, owners=12, seed=51, device="cuda")
+    GPU's IEEE division and expf, including the inputs that take pair_pool_channels' fallback. With fp32 norm
+    weights it also pins their load (a weight rounded to bf16 would stay within the latent tolerance)."""
+    setup = C2Setup(KVLayout.V41, 64, ring=8, owners=12, seed=51, device="cuda", weight_dtype=weight_dtype)
     bs = 8
     x, positions, req, raw = verify_batch(setup, bs, max(draft_len, 1), 0, 51)
     x = with_special_channels(x, 52)
@@ -709,6 +878,8 @@ C2_BAD = [
     ("kv_state", lambda a: a.update(kv_state=a["kv_state"][:, :512]), "kv_state must have 1024 columns"),
     ("kv_state", lambda a: a.update(kv_state=a["kv_state"][:5]), "kv_state must hold at least ring_size=8 rows"),
     ("kv_state", lambda a: a.update(kv_state=a["kv_state"].t().contiguous().t()), "kv_state"),
+    ("kv_state", lambda a: a.update(kv_state=a["kv_state"][:1].expand(a["kv_state"].shape[0], 1024)),
+     "kv_state row stride 0 overlaps rows (the ring is written)"),
     ("norm_weight", lambda a: a.update(norm_weight=a["norm_weight"][:511]), "norm_weight must have 512"),
     ("positions", lambda a: a.update(positions=a["positions"][1:]), "positions must have"),
     ("req_pool_indices", lambda a: a.update(req_pool_indices=a["req_pool_indices"].short()),
@@ -756,6 +927,32 @@ def test_validation_runs_before_empty_batch():
     assert c2_op(a).shape == (0, 512)
 
 
+def test_wrapper_errors_name_the_op_and_the_argument():
+    """The Python wrappers' own errors (a layout that is no KVLayout, a complex table that is not complex64
+    [max_pos, 32]) name the op and the argument; nothing is written."""
+    fc = dsv4.precompute_freqs_cis(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0)
+    c1, c2 = c1_args(), c2_args()
+    p = dict(c2)
+    del p["draft_len"]
+    p.update(extend_starts=torch.tensor([0], dtype=torch.int32), extend_lens=torch.tensor([1], dtype=torch.int32),
+             **{k: p[k][:1] for k in ("kv_input", "positions", "req_pool_indices", "raw_out_loc")})
+    wrappers = (("c1_decode_norm_rope_store", dsv4.c1_decode_norm_rope_store, c1),
+                ("c2_decode_or_verify_norm_rope_store", dsv4.c2_decode_or_verify_norm_rope_store, c2),
+                ("c2_prefill_norm_rope_store", dsv4.c2_prefill_norm_rope_store, p))
+    for op, wrapper, args in wrappers:
+        cache_before = args["k_cache"].clone()
+        for layout in ("v5", 3):
+            with pytest.raises(ValueError, match=rf"^{op}: layout: unknown KVLayout"):
+                wrapper(**dict(args, layout=layout))
+        with pytest.raises(TypeError, match=rf"^{op}: layout: cannot interpret"):
+            wrapper(**dict(args, layout=1.0))
+        for freqs in (fc.to(torch.complex128), fc[:, 0]):
+            with pytest.raises(ValueError, match=rf"^{op}: freqs_cis: .*complex64"):
+                wrapper(**dict(args, freqs_cis=freqs))
+        assert torch.equal(args["k_cache"], cache_before), op
+        wrapper(**dict(args, freqs_cis=fc, layout="v41"))  # the accepted forms still run
+
+
 @cuda_only
 def test_device_mismatch_is_rejected():
     a = c2_args("cuda")
@@ -786,6 +983,8 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.dsv4.c1_decode_norm_rope_store.default, _opcheck_args(c1_args(device), C1_NAMES))
     for draft_len in (0, 3):
         a = c2_args(device, draft_len=draft_len)
+        if draft_len:  # the fake accepts the fp32 norm weights the op accepts
+            a["norm_weight"] = a["norm_weight"].float()
         torch.library.opcheck(torch.ops.dsv4.c2_decode_or_verify_norm_rope_store.default, _opcheck_args(a, C2_NAMES))
 
 
@@ -885,7 +1084,12 @@ def test_cuda_graph_replay_matches_eager():
         new = {k: v.to("cuda").to(a[k].dtype) for k, v in _refill(a, 300 + r, 3).items()}
         loc = (1 + torch.randperm(c["k_cache"].shape[0] * 64 - 1, generator=gen(r))[:16]).cuda()
         loc[-4:] = torch.tensor([0, -1, 0, 0])
-        refills.append((new, torch.randn(16, 512, generator=gen(400 + r)).to(torch.bfloat16).cuda(), loc))
+        # New RoPE positions too, with a live row past the table and one at -1 (latents, no store).
+        pos = torch.randint(0, MAX_POS, (16,), generator=gen(450 + r))
+        pos[r] = MAX_POS
+        pos[r + 5] = -1
+        refills.append((new, torch.randn(16, 512, generator=gen(400 + r)).to(torch.bfloat16).cuda(), loc,
+                        pos.to(c["positions"].dtype).cuda()))
 
     def run():
         return c1_op(c), c2_op(a)
@@ -905,11 +1109,12 @@ def test_cuda_graph_replay_matches_eager():
         # The eager ops do not sync either.
         c2_op(dict(a, kv_state=a["kv_state"].clone(), k_cache=a["k_cache"].clone()))
         c1_op(dict(c, k_cache=c["k_cache"].clone()))
-        for new, kv1, loc in refills:
+        for new, kv1, loc, pos in refills:
             for k, v in new.items():
                 a[k].copy_(v)
             c["kv_input"].copy_(kv1)
             c["out_loc"].copy_(loc)
+            c["positions"].copy_(pos)
             snap = {k: a[k].clone() for k in ("kv_state", "k_cache")}
             snap_c1 = c["k_cache"].clone()
             graph.replay()
@@ -947,20 +1152,50 @@ def capture_c2(op, a):
     return graph, out
 
 
+def replay_against_eager(op, a, refills, what):
+    """Captures op(a) once (capture_c2); for each refill, copies its tensors into a's static inputs in place,
+    replays under sync-debug "error" with an eager op call on snapshots of the ring and the cache after each
+    (the eager op does not sync either), and compares latent, ring and cache bit for bit."""
+    graph, out = capture_c2(op, a)
+    records = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for new in refills:
+            for k, v in new.items():
+                a[k].copy_(v)
+            snap = {k: a[k].clone() for k in ("kv_state", "k_cache")}
+            graph.replay()
+            got = (out.clone(), a["kv_state"].clone(), a["k_cache"].clone())
+            want = op(dict(a, **snap))
+            records.append((got, (want, snap["kv_state"], snap["k_cache"])))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for r, ((latent, state, cache), (want, want_state, want_cache)) in enumerate(records):
+        assert_bits_equal(latent, want, f"{what} replay {r}: latent")
+        assert_same(state, want_state, f"{what} replay {r}: ring state")
+        assert_same(cache, want_cache, f"{what} replay {r}: cache")
+
+
+def _refill_verify(a, seed):
+    """New verify blocks for the static inputs of c2_args(draft_len > 0) (verify_batch): other live requests,
+    start positions of both parities, other slots and rows, and the padded block on the dummy request 0."""
+    pools = types.SimpleNamespace(owners=a["kv_state"].shape[0] // a["ring_size"],
+                                  capacity=a["k_cache"].shape[0] * a["page_size"])
+    bs = a["kv_input"].shape[0] // a["draft_len"] - 1
+    x, positions, req, raw = verify_batch(pools, bs, a["draft_len"], 1, seed)
+    return dict(kv_input=x, positions=torch.tensor(positions), req_pool_indices=torch.tensor(req),
+                raw_out_loc=torch.tensor(raw))
+
+
 @cuda_only
 def test_cuda_graph_verify_replay_matches_eager():
+    """Capture a verify call once; refill every static input in place (rows, positions, requests, slots), replay 5
+    times under sync-debug "error" with an eager call on snapshots after each, and compare."""
     a = c2_args("cuda", draft_len=5, bs=4, ring=8)
-    base_positions = a["positions"].clone()
-    graph, out = capture_c2(c2_op, a)
-    for r in range(5):
-        a["kv_input"].copy_(pair_rows(a["kv_input"].shape[0], 900 + r).cuda())
-        a["positions"].copy_(base_positions + 3 * r)
-        snap = {k: a[k].clone() for k in ("kv_state", "k_cache")}
-        graph.replay()
-        want = c2_op(dict(a, **snap))
-        assert_bits_equal(out, want, f"verify replay {r}: latent")
-        assert_same(a["kv_state"], snap["kv_state"], f"verify replay {r}: ring state")
-        assert_same(a["k_cache"], snap["k_cache"], f"verify replay {r}: cache")
+    refills = [{k: v.to("cuda").to(a[k].dtype) for k, v in _refill_verify(a, 900 + r).items()} for r in range(5)]
+    assert len(set(tuple(new["req_pool_indices"].tolist()) for new in refills)) > 1
+    replay_against_eager(c2_op, a, refills, "verify")
 
 
 @cuda_only
@@ -988,6 +1223,7 @@ _PDL_SCRIPT = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
     import test_low_ratio as t
+    import test_c2_prefill as tp
     out = {{}}
     for layout in t.LAYOUTS:
         c = t.c1_args("cuda", n=64)
@@ -1001,6 +1237,13 @@ _PDL_SCRIPT = textwrap.dedent(
             a["positions"] += draft_len or 1  # a second step from the state the first one left
             lat.append(t.c2_op(a))
             out[f"c2_{{layout}}_{{draft_len}}"] = (lat, a["kv_state"], a["k_cache"])
+        # c2 prefill: two kernels in a row (the ring writer after the reader), two chunks on one ring.
+        setup = t.C2Setup(layout, 64, ring=8, owners=8, seed=9, device="cuda")
+        chunk = tp.Chunk(setup, [3, 9, 1, 17, 6], 9, tail_pad=2)
+        lat = [chunk.call(setup, torch.int64)]
+        chunk.positions = [p + 5 if p >= 0 else p for p in chunk.positions]  # the next chunk, parities flipped
+        lat.append(chunk.call(setup, torch.int64))
+        out[f"c2_prefill_{{layout}}"] = (lat, setup.state, setup.cache)
     torch.cuda.synchronize()
     torch.save(out, sys.argv[1])
     """

@@ -149,8 +149,11 @@ def check_fill_all(page_table, lens, width, ratio, page_size, with_raw=True):
         assert_same(raw, expected_raw)
     if device.type == "cuda":
         cpu_pages = torch.empty((rows, width), dtype=torch.int32)
-        ops.fill_all_compressed_indices(page_table.cpu(), lens.cpu(), cpu_pages, ratio, page_size, None)
+        cpu_raw = torch.empty((rows, width), dtype=torch.int32) if with_raw else None
+        ops.fill_all_compressed_indices(page_table.cpu(), lens.cpu(), cpu_pages, ratio, page_size, cpu_raw)
         assert_same(cpu_pages, pages)
+        if with_raw:
+            assert_same(cpu_raw, raw)
     return pages, raw
 
 
@@ -316,12 +319,36 @@ def test_ops_on_spec_examples(device):
 # §9.1-2 build_page_table_positions_small
 
 
+def negative_page_starts(values, page_size, g):
+    """Rewrites half of the page-start slots of `values` [requests, C] (a checkerboard over requests and
+    pages) in place with slots in [-257, 0), -1, -256 and -257 first: truncation and floor of
+    slot / page_size differ on all but the multiples of the page size (§1.2, §9.2)."""
+    starts = values[:, ::page_size]  # a view: column p holds the first slot of page p
+    if starts.numel() == 0:
+        return values
+    checker = (torch.arange(starts.size(0))[:, None] + torch.arange(starts.size(1))[None, :]) % 2 == 0
+    negative = torch.randint(-257, 0, starts.shape, generator=g)
+    first = checker.flatten().nonzero()[:3, 0]
+    negative.view(-1)[first] = torch.tensor([-1, -256, -257])[: first.numel()]
+    starts[checker] = negative[checker]
+    return values
+
+
+def floor_differs(args, pages, page_size):
+    """(reads, reads on which truncation and floor differ): page-table reads of known requests."""
+    req_to_token, req, _ = cpu_args(args)
+    req = req.to(torch.int64)
+    known = req[(req >= 0) & (req < req_to_token.size(0))]
+    slots = req_to_token[known][:, : pages * page_size : page_size].to(torch.int64)
+    return slots.numel(), int(((slots < 0) & (slots % page_size != 0)).sum())
+
+
 def page_table_case(rows, pages, page_size, mix, strided, device, seed, num_requests=None, pad=512):
     g = gen(seed)
     t_dtype, q_dtype, l_dtype = dtypes_of(mix, 3)
     capacity = pages * page_size
     num_requests = num_requests if num_requests is not None else min(rows, 64) + 1
-    values = torch.randint(-256, 2**24, (num_requests, capacity), generator=g)
+    values = negative_page_starts(torch.randint(-256, 2**24, (num_requests, capacity), generator=g), page_size, g)
     req_to_token = table(values, t_dtype, device, pad=pad)
     req = torch.randint(-2, num_requests + 2, (rows,), generator=g)  # some unknown request ids
     req[: min(rows, 3)] = 0  # padded CUDA-graph rows use the dummy request 0
@@ -337,9 +364,13 @@ def test_page_table_envelope(device, rows, mix, strided):
     args, capacity = page_table_case(rows, 17, 256, mix, strided, device, seed=rows)
     check_page_table(args, capacity, 256, 128)
     check_page_table(args, capacity - 300, 256, 1000)  # a partial last page, a wide window
+    reads, differ = floor_differs(args, 17, 256)
+    assert differ >= max(reads // 4, 1)  # truncation is pinned on many reads, not by one value
 
 
-PAGE_TABLE_SHAPES = [(p, s) for p in (0, 1, 17, 256, 257, 4098) for s in (1, 64, 256, 1024) if p * s <= 2**20]
+# 4098 pages at page size 256 (C = 2^20 + 512): more than 4096 pages per row at the real page size.
+PAGE_TABLE_SHAPES = [(p, s) for p in (0, 1, 17, 256, 257, 4098) for s in (1, 64, 256, 1024)
+                     if p * s <= 2**20 or (p, s) == (4098, 256)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -348,6 +379,9 @@ def test_page_table_pages(device, pages, page_size):
     args, capacity = page_table_case(9, pages, page_size, "mixed", True, device, seed=pages + page_size, num_requests=3)
     got = check_page_table(args, capacity, page_size, 128)
     assert got[2].shape == (9, pages)
+    reads, differ = floor_differs(args, pages, page_size)
+    if page_size > 1 and reads:  # page size 1: truncation and floor agree
+        assert differ >= max(reads // 4, 1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -688,7 +722,7 @@ def test_schedule_hand_lists(device, name, num_sms):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", [63, 64, 65, 2047, 2048, 2049, 4095, 4096, 4097, 8192, 8193, 12289])
 def test_schedule_path_boundaries(device, batch):
-    for max_len, num_sms in ((300, H200_SMS), (33000, 1024), (2, 257)):
+    for max_len, num_sms in ((300, H200_SMS), (33000, 1024), (2, 257), (5000, 1)):
         check_schedule(schedule_lens(batch, max_len, "i32", False, device, seed=batch), num_sms, loop_oracle=False)
 
 
@@ -705,6 +739,53 @@ def test_schedule_int64_prefix(device):
     assert int(n.sum()) > 2**31
     assert got[-1].tolist() == [batch, 0]
     check_schedule(lens[:3000].to(device), H200_SMS, loop_oracle=False)
+
+
+def equal_lengths_schedule(batch, length, num_sms):
+    """The schedule of `batch` requests of one length > 0 in closed form (§6.2): n = ceil(length / 256)
+    splits each, P_b = n·(b + 1), S = n·B, so b_i = #{b : n·(b + 1) <= start_i} = start_i // n and the
+    split is start_i % n; start_i = i·q + max(i − pivot, 0) reaches B·n only at i = num_sms (the sentinel)."""
+    n = -(-length // 256)
+    q, rem = divmod(n * batch, num_sms)
+    rows = []
+    for i in range(num_sms + 1):
+        start = i * q + max(i - (num_sms - rem), 0)
+        rows.append([start // n, start % n] if start // n < batch else [batch, 0])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,length", [(1, 1), (5, 513), (131, 256), (4097, 770), (70001, 513)])
+def test_schedule_equal_lengths_closed_form(device, batch, length):
+    for num_sms in (1, H200_SMS, 1024):
+        got = check_schedule(torch.full((batch,), length, dtype=torch.int32, device=device), num_sms,
+                             loop_oracle=batch <= 4097)
+        assert_same(got, equal_lengths_schedule(batch, length, num_sms))
+
+
+@cuda_test
+def test_schedule_chunked_tile_totals():
+    """More than 4096 tiles of 4096 requests (B > 2^24): the large path's resolve kernel scans the tile
+    totals in several chunks through shared memory (§6.5), so rows in later chunks depend on the carry.
+    Random lengths (three of 2^31 − 1 at the end put many rows into the last tile) against the
+    vectorised oracle; equal lengths of 513 (3 splits each, also past 8192 tiles) against the closed
+    form of equal_lengths_schedule, since the oracle is slow there. At most ~0.4 GB of device memory."""
+    batch = 2**24 + 3000
+    lens = torch.randint(-3, 3000, (batch,), generator=gen(51), dtype=torch.int32)
+    lens[-3:] = 2**31 - 1
+    lens = lens.cuda()
+    for num_sms in (1024, H200_SMS):
+        got = check_schedule(lens, num_sms, loop_oracle=False)
+        assert int((got[:-1, 0] >= 4096 * 4096).sum()) > 0  # rows resolved in the second chunk
+    del lens
+    for batch in (2**24 + 1, 2**25 + 4097):
+        lens = torch.full((batch,), 513, dtype=torch.int32, device="cuda")
+        for num_sms in (1024, H200_SMS, 1):
+            expected = equal_lengths_schedule(batch, 513, num_sms)
+            assert_same(ops.get_paged_mqa_logits_metadata(lens, 64, num_sms), expected)
+            out = torch.full((num_sms + 1, 2), POISONS[0], dtype=torch.int32, device="cuda")
+            ops.get_paged_mqa_logits_metadata_out(lens.view(-1, 1), 128, out)
+            assert_same(out, expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -785,6 +866,102 @@ def test_decode_sequence_reuses_buffers(device):
 
 
 # ---------------------------------------------------------------------------------------------
+# An empty batch: rows = 0 gives empty outputs of the spec's shapes and dtypes, and no launch (§2).
+
+
+def empty_batch_calls(device, mix, strided):
+    """name -> (pure call or None for the writer, _out call taking the buffers, oracle call, [(shape,
+    dtype)] of the outputs by §2-§6) for every op at rows = 0 (the schedule: B = 0)."""
+    l_dtype, q_dtype, t_dtype = dtypes_of(mix, 3)
+    empty = torch.empty(0, dtype=torch.int64)
+    lens, req = vector(empty, l_dtype, strided, device), vector(empty, q_dtype, strided, device)
+    loc = vector(empty, q_dtype, strided, device)
+    req_to_token = table(torch.randint(-256, 2**24, (3, 1024), generator=gen(41)), t_dtype, device, pad=512)
+    page_table = table(torch.zeros((0, 33), dtype=torch.int64), t_dtype, device, pad=5)
+    c = lambda *a: cpu_args(a)  # noqa: E731
+    i32, i64 = torch.int32, torch.int64
+    pt = (req_to_token, req, lens)
+    cm = (lens, lens, loc, page_table)
+    width = (2 * 33 + 63) // 64 * 64  # cps 2 at page 256: cap 66 -> width 128
+
+    def fill_all(pages, raw):
+        return ops.fill_all_compressed_indices(page_table, lens, pages, 4, 256, raw)
+
+    def fill_all_oracle():
+        out = [torch.empty((0, 64), dtype=i32) for _ in range(2)]
+        return ref.fill_all_compressed_indices(*c(page_table, lens), out[0], 4, 256, out[1])
+
+    return {
+        "page_table": (
+            lambda: ops.build_page_table_positions_small(*pt, 1024, 256, 128),
+            lambda *b: ops.build_page_table_positions_small_out(*pt, 256, 128, *b),
+            lambda: ref.build_page_table_positions_small(*c(*pt), 1024, 256, 128),
+            [((0,), i32), ((0,), i32), ((0, 4), i32), ((0,), i32)],
+        ),
+        "low_ratio": (
+            lambda: ops.build_low_ratio_metadata(lens, loc, 100),
+            lambda *b: ops.build_low_ratio_metadata_out(lens, loc, 100, *b),
+            lambda: ref.build_low_ratio_metadata(*c(lens, loc), 100),
+            [((0,), i64), ((0,), i32), ((0,), i32), ((0, 128), i32)] * 2,
+        ),
+        "fill_all": (None, fill_all, fill_all_oracle, [((0, 64), i32)] * 2),
+        "compression": (
+            lambda: ops.init_compression_metadata(*cm, 256, True),
+            lambda *b: ops.init_compression_metadata_out(*cm, 256, *b),
+            lambda: ref.init_compression_metadata(*c(*cm), 256, True),
+            [((0,), i64), ((0,), i32), ((0,), i32), ((0,), i32)] * 2 + [((0, width), i32)],
+        ),
+        "compression_no_pages": (
+            lambda: ops.init_compression_metadata(lens, lens, loc, None, 0, False),
+            lambda *b: ops.init_compression_metadata_out(lens, lens, loc, None, 0, *b),
+            lambda: ref.init_compression_metadata(*c(lens, lens, loc), None, 0, False),
+            [((0,), i64), ((0,), i32), ((0,), i32), ((0,), i32)] * 2 + [((0, 0), i32)],
+        ),
+        "schedule": (  # B = 0 still writes every row: all (0, 0)
+            lambda: ops.get_paged_mqa_logits_metadata(lens, 64, H200_SMS),
+            lambda *b: ops.get_paged_mqa_logits_metadata_out(lens, 64, *b),
+            lambda: ref.get_paged_mqa_logits_metadata(*c(lens), 64, H200_SMS),
+            [((H200_SMS + 1, 2), i32)],
+        ),
+    }
+
+
+def carved(shape, dtype, device, margin=16):
+    """(backing, buffer): a contiguous `shape` buffer at offset `margin` inside a poisoned allocation
+    that extends `margin` elements on both sides."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    backing = torch.full((numel + 2 * margin,), POISONS[1], dtype=dtype, device=device)
+    return backing, backing.as_strided(shape, torch.empty(shape).stride(), margin)
+
+
+EMPTY_BATCH_CASES = sorted(empty_batch_calls("cpu", "i32", False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mix,strided", VARIANTS)
+@pytest.mark.parametrize("name", EMPTY_BATCH_CASES)
+def test_empty_batch(device, name, mix, strided):
+    pure, out, oracle, shapes = empty_batch_calls(device, mix, strided)[name]
+    expected = _as_tuple(oracle())
+    assert [(tuple(t.shape), t.dtype) for t in expected] == shapes  # the oracle agrees with §2-§6
+    if pure is not None:
+        got = _as_tuple(pure())
+        assert [(tuple(t.shape), t.dtype) for t in got] == shapes
+        assert all(t.device.type == device for t in got)
+        assert_same(got, expected)
+    # _out twin (the writer itself for fill_all): zero-row buffers inside poisoned allocations stay
+    # untouched, and so does everything around every buffer.
+    backings, bufs = zip(*(carved(shape, dtype, device) for shape, dtype in shapes))
+    out(*bufs)
+    assert_same(bufs, expected)
+    for backing, buf in zip(backings, bufs):
+        margins = torch.cat([backing[:16], backing[16 + buf.numel():]])
+        assert bool((margins == POISONS[1]).all())
+
+
+# ---------------------------------------------------------------------------------------------
 # §9.9 registration: opcheck, fakes, torch.compile
 
 
@@ -817,6 +994,21 @@ def sample_calls(device):
         "schedule": (ops.get_paged_mqa_logits_metadata.default, (ctx, 64, 8)),
         "schedule_large": (ops.get_paged_mqa_logits_metadata.default, (big_ctx, 128, H200_SMS)),
         "schedule_out": (ops.get_paged_mqa_logits_metadata_out.default, (ctx, 64, sched)),
+        # rows = 0 (B = 0 for the schedule)
+        "page_table_empty": (ops.build_page_table_positions_small.default,
+                             (pt_args[0], *(t[:0] for t in pt_args[1:]), capacity, 64, 128)),
+        "page_table_out_empty": (ops.build_page_table_positions_small_out.default,
+                                 (pt_args[0], *(t[:0] for t in pt_args[1:]), 64, 128, *(t[:0] for t in pt_out))),
+        "low_ratio_empty": (ops.build_low_ratio_metadata.default, (*(t[:0] for t in lr), 100)),
+        "low_ratio_out_empty": (ops.build_low_ratio_metadata_out.default,
+                                (*(t[:0] for t in lr), 100, *(t[:0] for t in lr_out))),
+        "fill_all_empty": (ops.fill_all_compressed_indices.default,
+                           (page_table[:0], lens[:0], pages[:0], 2, 256, raw[:0])),
+        "compression_empty": (ops.init_compression_metadata.default, (*(t[:0] for t in cm), cm_table[:0], 256, True)),
+        "compression_out_empty": (ops.init_compression_metadata_out.default,
+                                  (*(t[:0] for t in cm), cm_table[:0], 256, *(t[:0] for t in cm_out))),
+        "schedule_empty": (ops.get_paged_mqa_logits_metadata.default, (ctx[:0], 64, 8)),
+        "schedule_out_empty": (ops.get_paged_mqa_logits_metadata_out.default, (ctx[:0], 64, sched)),
     }
 
 
@@ -941,7 +1133,8 @@ def _pure_or_out(pure, out_op, use_out, args, tail_pure, tail_out):
 
 def graph_page_table(device, use_out, g):
     base_lens = _base_lengths(device)
-    req_to_token = torch.randint(-256, 2**24, (9, 4096 + 512), generator=g).int().to(device)[:, :4096]
+    values = negative_page_starts(torch.randint(-256, 2**24, (9, 4096 + 512), generator=g), 256, g)
+    req_to_token = values.int().to(device)[:, :4096]
     req = torch.randint(-1, 10, (GRAPH_ROWS,), generator=g).to(device)
     base_req = req.clone()
     args = [req_to_token, req, base_lens.int()]
@@ -1026,7 +1219,41 @@ def graph_schedule(batch):
     return build
 
 
+def graph_empty(device, use_out, g):
+    # rows = 0 for every op (empty outputs, no launch), captured with the schedule of B = 0, which
+    # still writes its rows (all (0, 0)), so the graph is not empty.
+    req_to_token = torch.randint(-256, 2**24, (3, 1024), generator=g).int().to(device)
+    lens = torch.empty(0, dtype=torch.int32, device=device)
+    loc = torch.empty(0, dtype=torch.int64, device=device)
+    page_table = torch.empty((0, 33), dtype=torch.int32, device=device)
+    pages = torch.empty((0, 512), dtype=torch.int32, device=device)
+    raw = torch.empty_like(pages)
+    pt = _pure_or_out(ops.build_page_table_positions_small, ops.build_page_table_positions_small_out, use_out,
+                      [req_to_token, loc, lens], (1024, 256, 128), (256, 128))
+    lr = _pure_or_out(ops.build_low_ratio_metadata, ops.build_low_ratio_metadata_out, use_out, [lens, loc],
+                      (512,), (512,))
+    cm = _pure_or_out(ops.init_compression_metadata, ops.init_compression_metadata_out, use_out,
+                      [lens, lens, loc, page_table], (256, True), (256,))
+    schedule = graph_schedule(0)(device, use_out, g)
+
+    def call(req_to_token, lens, loc, page_table):
+        ops.fill_all_compressed_indices(page_table, lens, pages, 2, 256, raw)
+        return (*pt(req_to_token, loc, lens), *lr(lens, loc), *cm(lens, lens, loc, page_table), pages, raw,
+                schedule.call(lens))
+
+    def oracle(req_to_token, lens, loc, page_table):
+        out = [torch.empty((0, 512), dtype=torch.int32) for _ in range(2)]
+        return (*ref.build_page_table_positions_small(req_to_token, loc, lens, 1024, 256, 128),
+                *ref.build_low_ratio_metadata(lens, loc, 512),
+                *ref.init_compression_metadata(lens, lens, loc, page_table, 256, True),
+                *ref.fill_all_compressed_indices(page_table, lens, out[0], 2, 256, out[1]),
+                ref.get_paged_mqa_logits_metadata(lens, 64, H200_SMS))
+
+    return GraphCase([req_to_token, lens, loc, page_table], call, oracle, lambda args, k: None)
+
+
 GRAPH_BUILDERS = {
+    "empty": graph_empty,
     "page_table": graph_page_table,
     "low_ratio": graph_low_ratio,
     "compression": graph_compression,
@@ -1124,6 +1351,16 @@ def test_non_default_stream():
 @pytest.mark.parametrize("device_pair", [("cpu", "cuda"), ("cuda", "cpu")])
 def test_rejects_mixed_devices(device_pair):
     a, b = device_pair
+    with pytest.raises(RuntimeError, match="dsv4.build_page_table_positions_small: req_pool_indices must be on"):
+        ops.build_page_table_positions_small(
+            torch.zeros((2, 512), device=a, dtype=torch.int32), torch.zeros(3, device=b, dtype=torch.int64),
+            torch.ones(3, device=a, dtype=torch.int32), 512, 256, 128)
+    bufs = [torch.empty(3, device=a, dtype=torch.int32) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="dsv4.build_page_table_positions_small_out: page_table must be on"):
+        ops.build_page_table_positions_small_out(
+            torch.zeros((2, 512), device=a, dtype=torch.int32), torch.zeros(3, device=a, dtype=torch.int64),
+            torch.ones(3, device=a, dtype=torch.int32), 256, 128, bufs[0], bufs[1],
+            torch.empty((3, 2), device=b, dtype=torch.int32), bufs[2])
     with pytest.raises(RuntimeError, match="dsv4.build_low_ratio_metadata: out_loc must be on"):
         ops.build_low_ratio_metadata(
             torch.ones(3, device=a, dtype=torch.int32), torch.ones(3, device=b, dtype=torch.int64), 512)
@@ -1131,6 +1368,17 @@ def test_rejects_mixed_devices(device_pair):
         ops.fill_all_compressed_indices(
             torch.ones((3, 2), device=a, dtype=torch.int32), torch.ones(3, device=a, dtype=torch.int32),
             torch.empty((3, 64), device=b, dtype=torch.int32), 4, 256, None)
+    with pytest.raises(RuntimeError, match="dsv4.fill_all_compressed_indices: compressed_seq_lens must be on"):
+        ops.fill_all_compressed_indices(
+            torch.ones((3, 2), device=a, dtype=torch.int32), torch.ones(3, device=b, dtype=torch.int32),
+            torch.empty((3, 64), device=a, dtype=torch.int32), 4, 256, None)
+    s, loc = torch.ones(3, device=a, dtype=torch.int32), torch.zeros(3, device=a, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="dsv4.init_compression_metadata: positions must be on"):
+        ops.init_compression_metadata(s, s.to(b), loc, torch.zeros((3, 2), device=a, dtype=torch.int32), 256, True)
+    with pytest.raises(RuntimeError, match="dsv4.init_compression_metadata: page_table must be on"):
+        ops.init_compression_metadata(s, s, loc, torch.zeros((3, 2), device=b, dtype=torch.int32), 256, True)
+    with pytest.raises(RuntimeError, match="dsv4.get_paged_mqa_logits_metadata_out: out must be on"):
+        ops.get_paged_mqa_logits_metadata_out(s, 64, torch.empty((H200_SMS + 1, 2), device=b, dtype=torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------

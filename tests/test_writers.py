@@ -4,6 +4,8 @@ whole, hand-built plans, the §7.4 pins, validation, opcheck, torch.compile, CUD
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 import textwrap
@@ -39,6 +41,8 @@ COMBOS = [
     (torch.bfloat16, torch.float32, torch.int64, torch.int32, "strided", True),
     (torch.float32, torch.bfloat16, torch.int32, torch.int64, "odd_stride", False),
     (torch.float32, torch.float32, torch.int64, torch.int64, "strided", True),
+    # bf16 rows at an odd row stride and a 6-byte offset: the CUDA kernels' element-by-element load fallback.
+    (torch.bfloat16, torch.float32, torch.int64, torch.int32, "odd_stride", False),
 ]
 MAIN_VARIANTS = ["v4", "v41", "v41_fp4"]
 INDEXER_VARIANTS = ["indexer_fp8", "indexer_fp4"]
@@ -159,6 +163,16 @@ def assert_same_bytes(got: torch.Tensor, expected: torch.Tensor, what: str = "")
     raise AssertionError(f"{what}: {diff.shape[0]} bytes differ; (index, got, expected): {detail}")
 
 
+def assert_rows_written(cache: torch.Tensor, poison: torch.Tensor, fmt, page_size: int, slots) -> None:
+    """Every slot's data row (§0 addressing) differs from the poison's: a comparison of two op outputs
+    then means something."""
+    cache, poison = cache.cpu(), poison.cpu()
+    for slot in torch.as_tensor(slots).tolist():
+        page, row = divmod(slot, page_size)
+        at = slice(row * fmt.data_bytes, (row + 1) * fmt.data_bytes)
+        assert not torch.equal(cache[page, at], poison[page, at]), f"slot {slot} was not written"
+
+
 def _slots(gen, n, capacity, dtype, lowest=0):
     """n slots: distinct valid ones from [lowest, capacity) plus the invalid values of §7.1."""
     slots = torch.randperm(capacity - lowest, generator=gen)[:n] + lowest
@@ -192,7 +206,9 @@ def _plan(seq_lens, word1, gen) -> torch.Tensor:
 
 def decode_case(gen, n, ratio, capacity, dtype):
     """(plan, out_loc) of a decode call mixing every row type of §4; rows that may not write carry a
-    real slot, except non-boundary rows, which carry slot 0 like the metadata emits."""
+    real slot, except non-boundary rows, which carry slot 0 like the metadata emits. Block-closing rows with an
+    invalid slot take the §7.1 values, the extreme ones first (calls of 20 rows already get both)."""
+    invalid = [2**40 if dtype == torch.int64 else 2**31 - 1, capacity + 5, -1, capacity, -capacity]
     slots = (torch.randperm(capacity - 1, generator=gen)[:n] + 1).tolist()
     seq, loc = [], []
     for i in range(n):
@@ -212,7 +228,7 @@ def decode_case(gen, n, ratio, capacity, dtype):
             loc.append(slots[i])
         elif kind == 6:  # closes a block, invalid slot
             seq.append(ratio * m)
-            loc.append([-1, capacity, -capacity][i % 3])
+            loc.append(invalid[(i // 8) % len(invalid)])
         else:  # a decode sentinel
             seq.append(0xFFFFFFFF)
             loc.append(slots[i])
@@ -223,10 +239,10 @@ def decode_case(gen, n, ratio, capacity, dtype):
 def prefill_case(gen, n, ratio, capacity, dtype, short_out_loc):
     """(plan, out_loc) of a prefill call: distinct ragged ids into an out_loc longer than N (or shorter,
     as context parallelism passes), sentinel entries, out-of-range ragged ids, a non-multiple seq_len
-    (written: no modulo test in prefill), and out-of-range positions."""
+    (written: no modulo test in prefill), out-of-range positions, and entries whose slot takes the §7.1
+    invalid values (the extreme ones first)."""
     m_len = n // 2 if short_out_loc else n + 7
     out_loc = torch.randperm(capacity, generator=gen)[:m_len]
-    out_loc[torch.randperm(m_len, generator=gen)[:3]] = torch.tensor([-1, capacity, capacity + 9])[: min(3, m_len)]
     ragged = torch.randperm(max(m_len, n), generator=gen)[:n].tolist()
     seq = []
     for i in range(n):
@@ -243,6 +259,9 @@ def prefill_case(gen, n, ratio, capacity, dtype, short_out_loc):
             seq.append(min(ratio * m + 1, MAX_POS + ratio - 1))  # no modulo test in prefill
         else:
             seq.append(ratio * m)
+    invalid = [2**40 if dtype == torch.int64 else 2**31 - 1, capacity + 5, -1, capacity, -capacity]
+    invalid_at = [ragged[i] for i in range(0, n, 7) if ragged[i] < m_len][: len(invalid)]
+    out_loc[invalid_at] = torch.tensor(invalid[: len(invalid_at)])
     buffer_len = torch.randint(0, 65536, (n,), generator=gen)
     word1 = torch.tensor(ragged, dtype=torch.int64) | (buffer_len << 16)
     return _plan(seq, word1, gen), out_loc.to(dtype)
@@ -306,6 +325,64 @@ def test_k_writer_matches_reference(device, layout, page_size, num_pages, n, kin
         x, w, eps = _rows(kind, gen, n, 512)
         cache = run_k_writer(device, x, w, eps, combo, page_size, num_pages, layout, gen, random_fill=i % 2 == 0)
         cache.check(f"combo {i}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stride", [0, 1, 100], ids=lambda s: f"stride{s}")
+def test_overlapping_rows_match_reference(device, stride):
+    """Activations may have any row stride (§0), rows that overlap or repeat included (the writers only read
+    them): both writers, every variant, bf16 and fp32 rows, against the reference on the same views."""
+    n, page_size, num_pages = 37, 16, 5
+    for variant in MAIN_VARIANTS + INDEXER_VARIANTS:
+        fmt = _fmt(variant)
+        indexer = variant.startswith("indexer")
+        d = 128 if indexer else 512
+        gen = _gen("overlap", variant, stride)
+        x, w, eps = _rows("general", gen, n, d)
+        for kv_dtype in (torch.bfloat16, torch.float32):
+            flat = x.reshape(-1)[: (n - 1) * stride + d].to(kv_dtype)
+            kv_cpu = flat.as_strided((n, d), (stride, 1))
+            kv_dev = flat.to(device).as_strided((n, d), (stride, 1))
+            what = f"{variant} {kv_dtype}"
+            if not indexer:
+                pos, loc = _positions(gen, n, torch.int64), _slots(gen, n, num_pages * page_size, torch.int64)
+                cache = PoisonedCache(fmt, page_size, num_pages, device, gen, True, False)
+                ref.fused_k_norm_rope_flashmla(kv_cpu, w, eps, TABLE, pos, loc, cache.ref, page_size=page_size,
+                                               layout=fmt)
+                dsv4.fused_k_norm_rope_flashmla(kv_dev, w.to(device), eps, _table(device), pos.to(device),
+                                                loc.to(device), cache.dev, page_size=page_size, layout=fmt)
+                cache.check(f"K writer {what}")
+            plan, out_loc = decode_case(gen, n, 4, num_pages * page_size, torch.int64)
+            cache = PoisonedCache(fmt, page_size, num_pages, device, gen, True, False)
+            layout = KVLayout.V4 if indexer else fmt
+            common = dict(norm_eps=eps, page_size=page_size, layout=layout, use_fp4=fmt is IndexerFormat.FP4,
+                          compress_ratio=4, is_decode=True)
+            ref.compress_norm_rope_store(kv_cpu, plan, norm_weight=w, freq_cis=TABLE, out_loc=out_loc,
+                                         kvcache=cache.ref, **common)
+            dsv4.compress_norm_rope_store(kv_dev, plan.to(device), norm_weight=w.to(device), freq_cis=_table(device),
+                                          out_loc=out_loc.to(device), kvcache=cache.dev, **common)
+            cache.check(f"compress writer {what}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stride", [0, 8, 256], ids=lambda s: f"stride{s}")
+def test_k_writer_pipeline_overlapping_rows(stride):
+    """The pipelined K writer (n >= 4096) bulk-copies rows whose addresses are 16-byte aligned, repeated (stride
+    0) or overlapping (strides of 8 and 256 bf16: 16 and 512 bytes) ones included; against the reference."""
+    n, page_size, num_pages = 4133, 64, 80
+    for layout in KVLayout:
+        gen = _gen("k-overlap", layout, stride)
+        x, w, eps = _rows("general", gen, n, 512)
+        flat = x.reshape(-1)[: (n - 1) * stride + 512].to(torch.bfloat16)
+        pos, loc = _positions(gen, n, torch.int32), _slots(gen, n, num_pages * page_size, torch.int64)
+        cache = PoisonedCache(layout, page_size, num_pages, "cuda", gen, True, False)
+        ref.fused_k_norm_rope_flashmla(flat.as_strided((n, 512), (stride, 1)), w, eps, TABLE, pos, loc, cache.ref,
+                                       page_size=page_size, layout=layout)
+        dsv4.fused_k_norm_rope_flashmla(flat.cuda().as_strided((n, 512), (stride, 1)), w.cuda(), eps,
+                                        _table("cuda"), pos.cuda(), loc.cuda(), cache.dev, page_size=page_size,
+                                        layout=layout)
+        cache.check(f"{layout.str_name} stride {stride}")
 
 
 @pytest.mark.parametrize("n", [5007, 4097, 4098])
@@ -398,6 +475,7 @@ def test_k_writer_v41_composition(device, layout):
     dsv4.fused_store_cache(dev(y.to(torch.bfloat16)), b, dev(loc), page_size=page_size, layout=layout,
                            freqs_cis=dev(TABLE[pos]))
     assert_same_bytes(a, b.cpu(), "K writer vs fused_store_cache")
+    assert_rows_written(a, torch.full_like(a, 0xA5), layout, page_size, loc)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -412,13 +490,60 @@ def test_k_writer_equals_compress_writer_on_exact_rows(device, layout):
     plan = _plan(pos + ratio, torch.arange(n), gen)  # prefill: ragged_id i -> out_loc[i], no modulo test
     dev = lambda t: t.to(device)  # noqa: E731
     a = torch.randint(0, 256, (num_pages, layout.page_bytes(page_size)), dtype=torch.uint8, generator=gen).to(device)
-    b = a.clone()
+    b, poison = a.clone(), a.clone()
     dsv4.fused_k_norm_rope_flashmla(dev(x), dev(w), 0.0, _table(device), dev(pos), dev(loc), a,
                                     page_size=page_size, layout=layout)
     dsv4.compress_norm_rope_store(dev(x), dev(plan), norm_weight=dev(w), norm_eps=0.0, freq_cis=_table(device),
                                   out_loc=dev(loc), kvcache=b, page_size=page_size, layout=layout,
                                   compress_ratio=ratio, is_decode=False)
     assert_same_bytes(a, b.cpu(), "K writer vs compress writer")
+    assert_rows_written(a, poison, layout, page_size, loc)
+
+
+# V4 nope-tile amaxes at the edges of the V4 quantizer (§1.5): 448 (scale exactly 2^0), 2688 = 6 * 448, 2^-12 and
+# 6 * 2^-9 (small scales), 450 (just past a power of two), an all-zero tile (the 1e-4 floor) and 1.0. All are
+# bf16 values, so both writers see them unrounded.
+V4_TILE_AMAX = [448.0, 2**-12, 6 * 2**-9, 2688.0, 450.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("writer", ["k_writer", "compress"])
+def test_v4_tile_amax_edges(device, writer):
+    """Exact-norm rows make y = +-w, so w places each V4 tile's amax: every tile holds its amax once (random sign
+    and place) and smaller bf16 values. Bytes equal the reference and the scale bytes the closed form
+    127 + ceil(log2(max(amax, 1e-4) / 448))."""
+    gen = _gen("v4 amax", writer)
+    n, page_size, num_pages, ratio = 24, 16, 4, 4
+    x, _, _ = _rows("exact", gen, n, 512)
+    w = torch.randn(512, generator=gen).to(torch.bfloat16).float()  # the rope dims keep random weights
+    for t, amax in enumerate(V4_TILE_AMAX):
+        tile = (amax * torch.rand(64, generator=gen)).to(torch.bfloat16).float()
+        sign = 1 - 2 * int(torch.randint(0, 2, (1,), generator=gen))
+        tile[int(torch.randint(0, 64, (1,), generator=gen))] = sign * amax
+        w[64 * t: 64 * t + 64] = tile
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+    loc = torch.randperm(num_pages * page_size, generator=gen)[:n]
+    cache = PoisonedCache(KVLayout.V4, page_size, num_pages, device, gen, random_fill=False, pool=False)
+    dev = lambda t: t.to(device)  # noqa: E731
+    if writer == "k_writer":
+        ref.fused_k_norm_rope_flashmla(x, w, 0.0, TABLE, pos, loc, cache.ref, page_size=page_size, layout=0)
+        dsv4.fused_k_norm_rope_flashmla(dev(x), dev(w), 0.0, _table(device), dev(pos), dev(loc), cache.dev,
+                                        page_size=page_size, layout=0)
+    else:
+        plan = _plan(pos + ratio, torch.arange(n), gen)  # prefill: ragged_id i -> out_loc[i]
+        args = dict(norm_weight=w, norm_eps=0.0, out_loc=loc, page_size=page_size, compress_ratio=ratio,
+                    is_decode=False)
+        ref.compress_norm_rope_store(x, plan, freq_cis=TABLE, kvcache=cache.ref, **args)
+        dsv4.compress_norm_rope_store(dev(x), dev(plan), freq_cis=_table(device), kvcache=cache.dev,
+                                      **{k: dev(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+    cache.check(writer)
+    expected_scales = [127 + math.ceil(math.log2(max(a, 1e-4) / 448)) for a in V4_TILE_AMAX]
+    assert expected_scales == [127, 107, 112, 130, 128, 105, 119]
+    got = cache.pool.cpu()
+    for slot in loc.tolist():
+        page, row = divmod(slot, page_size)
+        at = page_size * 576 + row * 8
+        assert got[page, at: at + 7].tolist() == expected_scales, f"slot {slot}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -584,6 +709,210 @@ def test_norm_order_pin_through_ops(device, variant):
     assert_same_bytes(cache, _pin_expected(fmt, y, slot, page_size, k_writer=False), "compress writer")
 
 
+# §1.2 order through the ops on rows chosen to expose a wrong order. The test's own sums of squares: the
+# pinned order (to build the rows; the op is compared with the reference op) and the wrong orders a kernel
+# could plausibly use instead.
+
+
+def _halve(q: torch.Tensor) -> torch.Tensor:
+    """Pairwise halving of the last dim: q_j <- q_j + q_{j+h} for h = n/2, n/4, ..., 1; keeps a dim of 1."""
+    while q.shape[-1] > 1:
+        h = q.shape[-1] // 2
+        q = q[..., :h] + q[..., h:]
+    return q
+
+
+def _pinned_ss(x):
+    return _halve(_halve((x * x).reshape(x.shape[0], 32, -1))[..., 0])[..., 0]
+
+
+def _sequential_ss(x):
+    q = x * x
+    s = q[:, 0]
+    for i in range(1, q.shape[1]):
+        s = s + q[:, i]
+    return s
+
+
+def _adjacent_pairs_ss(x):
+    q = x * x
+    while q.shape[-1] > 1:
+        q = q[:, 0::2] + q[:, 1::2]
+    return q[:, 0]
+
+
+def _fma32(a, b):
+    """fp32 fma(a, a, b), correctly rounded: a*a + b is summed in float64 with its TwoSum error, rounded to odd
+    (53 >= 24 + 2 bits, so the final rounding to fp32 is the single rounding of the exact value)."""
+    a2, b = a.double() * a.double(), b.double()  # a*a is exact in float64
+    s = a2 + b
+    bv = s - a2
+    err = (a2 - (s - bv)) + (b - bv)
+    toward = torch.where(err > 0, torch.inf, -torch.inf).double()
+    s = torch.where((err != 0) & (s.view(torch.int64) & 1 == 0), torch.nextafter(s, toward), s)
+    return s.float()
+
+
+def _fma_contracted_ss(x, fused):
+    """The pinned order with the first in-lane add contracted with one of its squares: q_j = fma(x_j, x_j,
+    x_{j+h}^2) ("low") or fma(x_{j+h}, x_{j+h}, x_j^2) ("high"), as a compiler contracts x0*x0 + x8*x8."""
+    g = x.reshape(x.shape[0], 32, -1)
+    h = g.shape[-1] // 2
+    lo, hi = g[..., :h], g[..., h:]
+    q = _fma32(lo, hi * hi) if fused == "low" else _fma32(hi, lo * lo)
+    return _halve(_halve(q)[..., 0])[..., 0]
+
+
+WRONG_NORM_ORDERS = {
+    "sequential": _sequential_ss,
+    "adjacent_pairs": _adjacent_pairs_ss,
+    "fma_low": lambda x: _fma_contracted_ss(x, "low"),
+    "fma_high": lambda x: _fma_contracted_ss(x, "high"),
+}
+
+
+def _y_from_ss(x, w, eps, ss):
+    """§1.2 scale and output from a given sum of squares (rms_norm_fp32 once ss is known)."""
+    ms = ss / x.shape[1]
+    r = torch.reciprocal(torch.sqrt((ms + torch.full_like(ms, eps)).double()).float())
+    return (x * r.unsqueeze(1)) * w
+
+
+def _quantizer_input(writer, variant, y, table_rows):
+    """The fp32 values a writer hands its quantizer for norm output y (§1.6), rotated with table_rows."""
+    fmt = _fmt(variant)
+    if isinstance(fmt, IndexerFormat):
+        return ref.hadamard128(ref.rope_tail(y, table_rows))
+    rounded = y.to(torch.bfloat16).float()
+    if fmt is not KVLayout.V4:
+        return ref.rope_tail(rounded, table_rows).to(torch.bfloat16).float()
+    v = ref.rope_tail(y, table_rows)
+    if writer == "compress":
+        v[:, :448] = rounded[:, :448]
+    return v
+
+
+def _row_bytes(variant, v):
+    """Data and scale bytes per row of quantizer input v."""
+    fmt = _fmt(variant)
+    if fmt is IndexerFormat.FP8:
+        data, scale = ref.quantize_indexer_fp8(v)
+        return torch.cat([data, scale.unsqueeze(-1).view(torch.uint8)], 1)
+    data, scale = ref.quantize_indexer_fp4(v) if fmt is IndexerFormat.FP4 else ref.quantize_rows(v, int(fmt))
+    return torch.cat([data, scale], 1)
+
+
+def _store_values(variant, cache, v, slots, page_size):
+    fmt = _fmt(variant)
+    if isinstance(fmt, IndexerFormat):
+        ref.store_indexer_cache(cache, v, slots, page_size, int(fmt))
+    else:
+        ref.store_k_cache(cache, v, slots, page_size, int(fmt))
+
+
+# The y at which a lone nonzero value of a quantizer tile changes the stored bytes. K writer V4: y = 448 has
+# scale 2^0 and code 448, just above the scale doubles. Compress V4: bf16(y) first, so the bf16 midpoint 449
+# (448 wins the tie). V41: bf16(y) is 1.0625 (scaled 272, a tie that goes to code 256) or 1.0703125 (code 288)
+# on either side of 1.06640625. V41_FP4: bf16(y) 6.375 or 6.40625, whose amax / 6 round to the e4m3 scales
+# 1.0 and 1.125. Indexer: WHT of a lone y_k is +-c*y_k in every dim; fp8 stores its fp32 scale (any y shows),
+# fp4's scaled magnitude 5 is the threshold between codes 4 and 6.
+_LONE_VALUE_EDGE = {"v4": 448.0, "v41": 1.06640625, "v41_fp4": 6.390625, "indexer_fp8": 1.0,
+                    "indexer_fp4": 5.0 / _f32(0x3DB504F3)}
+_NORM_ORDER_ROWS = {}
+
+
+def _norm_order_rows(writer, variant, per_order=2):
+    """Per wrong order, rows (x, w, position, wrong sum) whose stored bytes under the pinned order differ from
+    those under that order.
+
+    Candidate rows span 2^12 in magnitude, so the orders round differently. For a row where a wrong order
+    changes x_k * r at a dim k outside the RoPE dims, w zeroes k's quantizer tile except w_k, chosen (and
+    nudged a few ulps) so that y_k falls on either side of the tile's edge under the two sums; the other tiles
+    keep random weights. Candidates whose bytes really differ are kept.
+    """
+    key = (writer, variant)
+    if key in _NORM_ORDER_ROWS:
+        return _NORM_ORDER_ROWS[key]
+    d = 128 if variant.startswith("indexer") else 512
+    tile = {"v4": 64, "v41": 32, "v41_fp4": 16}.get(variant, 128)
+    edge = 449.0 if (writer, variant) == ("compress", "v4") else _LONE_VALUE_EDGE[variant]
+    gen = _gen("norm-order", writer, variant)
+    n, eps = 128, 1e-6
+    x = torch.randn(n, d, generator=gen) * torch.exp2(torch.randint(-12, 1, (n, d), generator=gen).float())
+    base_w = torch.randn(d, generator=gen).to(torch.bfloat16).float()
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+    ss = _pinned_ss(x)
+    r = lambda s: torch.reciprocal(torch.sqrt((s / d + torch.full_like(s, eps)).double()).float())  # noqa: E731
+    selected = {}
+    for name, wrong_ss in WRONG_NORM_ORDERS.items():
+        ss_wrong = wrong_ss(x)
+        a, a_wrong = x * r(ss).unsqueeze(1), x * r(ss_wrong).unsqueeze(1)
+        differs = (a != a_wrong)[:, : d - 64]
+        rows = differs.any(1).nonzero().flatten()
+        k = differs[rows].float().argmax(1)
+        w_k = (edge / ((a[rows, k].double() + a_wrong[rows, k].double()) / 2)).float()
+        w = torch.where(torch.arange(d) // tile == (k // tile).unsqueeze(1), 0.0, base_w)
+        cand_rows, cand_w = [], []
+        for nudge in range(5):  # 0, +1, -1, +2, -2 ulps
+            step = torch.full_like(w_k, torch.inf if nudge % 2 else -torch.inf)
+            wk = w_k
+            for _ in range((nudge + 1) // 2):
+                wk = torch.nextafter(wk, step)
+            cand_w.append(w.index_put((torch.arange(rows.numel()), k), wk))
+            cand_rows.append(rows)
+        cand_rows, cand_w = torch.cat(cand_rows), torch.cat(cand_w)
+        xs, table_rows = x[cand_rows], TABLE[pos[cand_rows]]
+        good = _row_bytes(variant, _quantizer_input(writer, variant, _y_from_ss(xs, cand_w, eps, ss[cand_rows]),
+                                                    table_rows))
+        bad = _row_bytes(variant, _quantizer_input(writer, variant,
+                                                   _y_from_ss(xs, cand_w, eps, ss_wrong[cand_rows]), table_rows))
+        hits = (good != bad).any(1).nonzero().flatten()[:per_order].tolist()
+        assert len(hits) == per_order, f"{name}: only {len(hits)} rows expose it"
+        selected[name] = [(xs[i: i + 1], cand_w[i], int(pos[cand_rows[i]]), ss_wrong[cand_rows[i]: cand_rows[i] + 1])
+                          for i in hits]
+    _NORM_ORDER_ROWS[key] = (selected, eps)
+    return selected, eps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("writer,variant", [("k_writer", v) for v in MAIN_VARIANTS] +
+                         [("compress", v) for v in MAIN_VARIANTS + INDEXER_VARIANTS])
+def test_norm_order_exposing_rows_through_ops(device, writer, variant):
+    """Each op on rows whose stored bytes under the §1.2 order differ from those under a sequential sum,
+    adjacent pairing or an FMA-contracted square: a kernel reducing in any of these orders fails here."""
+    selected, eps = _norm_order_rows(writer, variant)
+    fmt = _fmt(variant)
+    indexer = isinstance(fmt, IndexerFormat)
+    page_size, slot, ratio = 2, torch.tensor([1]), 4
+    dev = lambda t: t.to(device)  # noqa: E731
+    for order, rows in selected.items():
+        for x, w, p, ss_wrong in rows:
+            what = f"{order}, position {p}"
+            poison = torch.full((1, fmt.page_bytes(page_size)), 0xA5, dtype=torch.uint8)
+            expected, cache = poison.clone(), dev(poison)
+            if writer == "k_writer":
+                ref.fused_k_norm_rope_flashmla(x, w, eps, TABLE, torch.tensor([p]), slot, expected,
+                                               page_size=page_size, layout=fmt)
+                dsv4.fused_k_norm_rope_flashmla(dev(x), dev(w), eps, _table(device), dev(torch.tensor([p])),
+                                                dev(slot), cache, page_size=page_size, layout=fmt)
+            else:
+                plan = _plan([p + ratio], [0], _gen("norm-order-plan"))  # prefill: ragged_id 0 -> out_loc[0]
+                args = dict(norm_weight=w, norm_eps=eps, out_loc=slot, page_size=page_size,
+                            layout=KVLayout.V4 if indexer else fmt, use_fp4=fmt is IndexerFormat.FP4,
+                            compress_ratio=ratio, is_decode=False)
+                ref.compress_norm_rope_store(x, plan, freq_cis=TABLE, kvcache=expected, **args)
+                dev_args = {k: dev(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+                dsv4.compress_norm_rope_store(dev(x), dev(plan), freq_cis=_table(device), kvcache=cache, **dev_args)
+            assert_same_bytes(cache, expected, what)
+            # The row is the one meant: the test's §1.6 chain reproduces the reference, and a wrong order does not.
+            table_row = TABLE[p].unsqueeze(0)
+            for ss, should_match in ((_pinned_ss(x), True), (ss_wrong, False)):
+                stored = poison.clone()
+                _store_values(variant, stored, _quantizer_input(writer, variant, _y_from_ss(x, w, eps, ss), table_row),
+                              slot, page_size)
+                assert torch.equal(stored, expected) == should_match, what
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_fma_pin_k_writer_v4(device):
     """§7.4: a contracted re*c - im*s would store 80 33 or 80 B3 at bytes 448..449."""
@@ -631,6 +960,47 @@ def test_yarn_worked_example():
     assert torch.equal(dsv4.precompute_freqs_cis(64, 64, 0, 160000.0), plain)
 
 
+def _yarn_frequencies(dim, base, original_seq_len, factor, beta_fast, beta_slow):
+    """§1.3 steps 1-2 written independently: step 1 in torch fp32 (pinned above), step 2 in numpy fp32, one
+    rounded operation at a time; corr in float64 from the formula."""
+    import numpy as np
+
+    f = torch.reciprocal(torch.pow(torch.tensor(base), torch.arange(0, dim, 2, dtype=torch.float32) / dim)).numpy()
+    corr = [dim * math.log(original_seq_len / (2 * math.pi * r)) / (2 * math.log(base)) for r in (beta_fast, beta_slow)]
+    lo, hi = max(math.floor(corr[0]), 0), min(math.ceil(corr[1]), dim - 1)
+    if lo == hi:
+        hi += 0.001
+    i = np.arange(dim // 2, dtype=np.float32)
+    ramp = np.clip((i - np.float32(lo)) / np.float32(hi - lo), np.float32(0), np.float32(1))
+    smooth = np.float32(1) - ramp
+    blended = (f / np.float32(factor)) * (np.float32(1) - smooth) + f * smooth
+    assert blended.dtype == np.float32
+    return torch.from_numpy(blended), torch.from_numpy(f), lo, hi
+
+
+@pytest.mark.parametrize("params,lo_hi", [
+    ((64, 160000.0, 65536, 16.0, 32.0, 1.0), (15, 25)),  # the worked example: a blend over pairs 16..24
+    ((64, 10000.0, 65536, 4.0, 32.0, 34.0), (20, 20.001)),  # corr 20.1 / 19.9: floor == ceil, so hi = lo + 0.001
+    ((64, 10000.0, 5, 8.0, 32.0, 1.0), (0, 0.001)),  # corr -12.8 / -0.79: lo = hi = 0 after the clamps
+], ids=["worked_example", "lo_equals_hi", "lo_equals_hi_clamped"])
+def test_yarn_blend_pinned(params, lo_hi):
+    """Every pair's YaRN frequency equals the spec formula evaluated independently, blended pairs included; the
+    lo == hi branch (hi += 0.001) keeps pair lo's own frequency and divides the next ones by factor."""
+    dim, base, original, factor, beta_fast, beta_slow = params
+    freqs, plain, lo, hi = _yarn_frequencies(*params)
+    assert (lo, hi) == lo_hi
+    p = torch.arange(32, dtype=torch.float32)
+    fc = dsv4.precompute_freqs_cis(dim, 32, original, base, factor, beta_fast, beta_slow)
+    assert torch.equal(fc, torch.polar(torch.ones(32, dim // 2), torch.outer(p, freqs)))
+    lo = int(lo)
+    if hi - lo < 1:
+        assert torch.equal(freqs[: lo + 1], plain[: lo + 1])
+        assert torch.equal(freqs[lo + 1:], plain[lo + 1:] / factor)
+    else:
+        middle, own = freqs[lo + 1: int(hi)], plain[lo + 1: int(hi)]
+        assert not torch.equal(middle, own) and not torch.equal(middle, own / factor)
+
+
 def test_rope_table_layout():
     fc = dsv4.precompute_freqs_cis(64, 32, 0, 10000.0)
     table = dsv4.rope_table_from_freqs_cis(fc)
@@ -675,6 +1045,44 @@ def test_wrapper_accepts_plan_object_and_complex_freqs():
     dsv4.fused_k_norm_rope_flashmla(x, w, eps, fc, pos, loc, c, page_size=page_size, layout=1)
     dsv4.fused_k_norm_rope_flashmla(x, w, eps, TABLE, pos, loc, d, page_size=page_size, layout="V41")
     assert torch.equal(c, d)
+
+
+def test_wrapper_errors_name_the_op_and_the_argument():
+    """Errors raised by the Python wrappers themselves (before the op) name the op and the argument, with the
+    wrappers' exception types: ValueError for a bad value, TypeError for an object that is not a plan."""
+    gen = _gen("wrapper errors")
+    n, page_size = 4, 16
+    x, w, eps = _rows("general", gen, n, 512)
+    pos, loc = torch.arange(n), torch.arange(n)
+    cache = torch.zeros(2, KVLayout.V41.page_bytes(page_size), dtype=torch.uint8)
+    plan = _plan([4] * n, [0] * n, gen)
+    fc = dsv4.precompute_freqs_cis(64, MAX_POS, 0, 10000.0)
+
+    def k_writer(freqs=TABLE, layout="v41"):
+        dsv4.fused_k_norm_rope_flashmla(x, w, eps, freqs, pos, loc, cache, page_size=page_size, layout=layout)
+
+    def compress(plan=plan, freqs=TABLE, layout="v41"):
+        dsv4.compress_norm_rope_store(x, plan, norm_weight=w, norm_eps=eps, freq_cis=freqs, out_loc=loc,
+                                      kvcache=cache, page_size=page_size, layout=layout, compress_ratio=4,
+                                      is_decode=True)
+
+    for call, op, freqs_name in ((k_writer, "fused_k_norm_rope_flashmla", "freqs"),
+                                 (compress, "compress_norm_rope_store", "freq_cis")):
+        for layout in ("v5", 7, -1):
+            with pytest.raises(ValueError, match=rf"^{op}: layout: unknown KVLayout"):
+                call(layout=layout)
+        with pytest.raises(TypeError, match=rf"^{op}: layout: cannot interpret"):
+            call(layout=1.0)
+        for freqs in (fc.to(torch.complex128), fc[:, 0], fc.unsqueeze(0)):
+            with pytest.raises(ValueError, match=rf"^{op}: {freqs_name}: .*complex64"):
+                call(freqs=freqs)
+    for bad_plan in (None, plan.numpy(), [plan]):
+        with pytest.raises(TypeError, match=r"^compress_norm_rope_store: plan must be"):
+            compress(plan=bad_plan)
+    assert not cache.any(), "no error path writes"
+    k_writer(freqs=fc, layout=KVLayout.V41)  # the accepted forms still work
+    compress(freqs=fc, layout=1)
+    assert cache.any()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -800,6 +1208,81 @@ def test_compress_validation(name, bad, fake_sees):
         _expect_fake_error(_call_c, args, "compress_norm_rope_store", name)
 
 
+# The indexer variant (kv [N, 128]): its own cache rule (A = 4, width >= 132P for fp8 or 68P for fp4).
+def _shifted_cache(width, pages, offset):
+    buf = torch.zeros(pages * width + 16, dtype=torch.uint8)
+    return buf[offset: offset + pages * width].view(pages, width)
+
+
+# COMMON_BAD less kv[:, :256] (the whole indexer row) and a page stride of width + 8 (a multiple of A = 4).
+_INDEXER_COMMON_BAD = [c for i, c in enumerate(COMMON_BAD) if i not in (1, 16)]
+_INDEXER_ONLY_BAD = [
+    ("kv", lambda a: a["kv"][:, :64], True),
+    ("kvcache", lambda a: a["kvcache"][:, :-1], True),  # one byte short of 132P / 68P
+    ("kvcache", lambda a: torch.zeros(2, a["kvcache"].shape[1] + 2, dtype=torch.uint8)[:, : a["kvcache"].shape[1]],
+     True),  # stride(0) = width + 2: not a multiple of 4
+    ("kvcache", lambda a: _shifted_cache(a["kvcache"].shape[1], 2, 2), False),  # base pointer 2 mod 4
+    ("norm_weight", lambda a: torch.ones(512), True),
+    ("norm_weight", lambda a: a["norm_weight"][:64], True),
+]
+INDEXER_C_BAD = [pytest.param(name, fn, fake, id=f"{name}-{i}")
+                 for i, (name, fn, fake) in enumerate(_INDEXER_COMMON_BAD + _INDEXER_ONLY_BAD)]
+
+
+@pytest.mark.parametrize("use_fp4", [False, True], ids=["fp8", "fp4"])
+@pytest.mark.parametrize("name,bad,fake_sees", INDEXER_C_BAD)
+def test_compress_indexer_validation(name, bad, fake_sees, use_fp4):
+    args = _c_args(d=128, use_fp4=use_fp4)
+    args[name] = bad(args)
+    _expect_error(_call_c, args, "compress_norm_rope_store", name)
+    if fake_sees:
+        _expect_fake_error(_call_c, args, "compress_norm_rope_store", name)
+
+
+def test_compress_indexer_fp8_rejects_an_fp4_sized_cache():
+    args = _c_args(d=128, use_fp4=False)
+    args["kvcache"] = torch.zeros(2, IndexerFormat.FP4.page_bytes(16), dtype=torch.uint8)  # 68P < 132P
+    _expect_error(_call_c, args, "compress_norm_rope_store", "kvcache")
+    _expect_fake_error(_call_c, args, "compress_norm_rope_store", "kvcache")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("use_fp4", [False, True], ids=["fp8", "fp4"])
+def test_compress_indexer_caches_need_only_4_byte_alignment(device, use_fp4):
+    """A = 4 for the indexer formats: a cache at a base pointer 4 mod 16 with a page stride 4 mod 16 (two pages),
+    a one-page cache with an odd stride(0) and a zero-page cache are accepted, and the first is written as the
+    reference writes it (on CUDA, at a vector width the alignment allows)."""
+    fmt = IndexerFormat(int(use_fp4))
+    page_size, n = 16, 12
+    gen = _gen("indexer align", use_fp4)
+    x, w, eps = _rows("general", gen, n, 128)
+    plan, out_loc = decode_case(gen, n, 4, 2 * page_size, torch.int64)
+    width = fmt.page_bytes(page_size) + 4
+    pool = torch.randint(0, 256, (2 * width + 32,), dtype=torch.uint8, generator=gen).to(device)
+    cache = pool[4: 4 + 2 * width].view(2, width)
+    assert cache.data_ptr() % 16 == 4 and cache.stride(0) % 16 == 4
+    expected, before = pool.cpu().clone(), pool.cpu().clone()
+    args = dict(norm_weight=w, norm_eps=eps, out_loc=out_loc, page_size=page_size, use_fp4=use_fp4, compress_ratio=4,
+                is_decode=True)
+    ref.compress_norm_rope_store(x, plan, freq_cis=TABLE, kvcache=expected[4: 4 + 2 * width].view(2, width), **args)
+    dsv4.compress_norm_rope_store(x.to(device), plan.to(device), freq_cis=_table(device), kvcache=cache,
+                                  **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+    assert_same_bytes(pool, expected, "4-byte aligned indexer cache")
+    assert not torch.equal(expected, before), "rows were written"
+    a = _c_args(d=128, use_fp4=use_fp4)
+    a["kvcache"] = torch.zeros(1, a["kvcache"].shape[1] + 3, dtype=torch.uint8)  # stride(0) odd: one page
+    _call_c(a)
+    a["kvcache"] = torch.zeros(0, a["kvcache"].shape[1], dtype=torch.uint8)  # every slot invalid
+    _call_c(a)
+
+
+def test_compress_variant_rules_in_the_fake():
+    """The fake checks the variant rules too: layout != 0 with the indexer kv, use_fp4 with the main kv."""
+    _expect_fake_error(_call_c, _c_args(d=128, layout=1), "compress_norm_rope_store", "layout")
+    _expect_fake_error(_call_c, _c_args(d=128, layout=2, use_fp4=True), "compress_norm_rope_store", "layout")
+    _expect_fake_error(_call_c, _c_args(use_fp4=True), "compress_norm_rope_store", "use_fp4")
+
+
 def _expect_fake_error(call, args, op, name):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -914,31 +1397,38 @@ def test_compile_k_writer_without_cache_clone(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["v4", "indexer_fp4"])
+@pytest.mark.parametrize("variant", MAIN_VARIANTS + INDEXER_VARIANTS)
 def test_compile_compress_without_cache_clone(device, variant):
+    """Decode and prefill plans in one compiled function (dynamic over N), each writing a dim-0 slice of a pool
+    graph input: equal to eager, and the generated code copies no cache."""
     torch._dynamo.reset()
     page_size = 16
     fmt = _fmt(variant)
-    indexer = variant.startswith("indexer")
+    indexer = isinstance(fmt, IndexerFormat)
+    layout, use_fp4 = (KVLayout.V4 if indexer else fmt), fmt is IndexerFormat.FP4
     d = 128 if indexer else 512
     table = _table(device)
 
-    def step(kv, plan, w, loc, cache):
-        dsv4.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=table, out_loc=loc,
-                                      kvcache=cache, page_size=page_size, use_fp4=indexer and fmt is IndexerFormat.FP4,
-                                      compress_ratio=4, is_decode=True)
+    def step(kv, decode_plan, prefill_plan, w, decode_loc, prefill_loc, pool):
+        for plan, loc, cache, is_decode in ((decode_plan, decode_loc, pool[1:5], True),
+                                            (prefill_plan, prefill_loc, pool[6:10], False)):
+            dsv4.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=table, out_loc=loc,
+                                          kvcache=cache, page_size=page_size, layout=layout, use_fp4=use_fp4,
+                                          compress_ratio=4, is_decode=is_decode)
 
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
     for n in (9, 17):
         gen = _gen("compile-c", variant, n)
         x, w, _ = _rows("general", gen, n, d)
-        plan, loc = decode_case(gen, n, 4, 4 * page_size, torch.int64)
-        cache = torch.randint(0, 256, (4, fmt.page_bytes(page_size)), dtype=torch.uint8, generator=gen).to(device)
-        expected = cache.clone()
-        args = (x.to(device), plan.to(device), w.to(device), loc.to(device))
+        decode_plan, decode_loc = decode_case(gen, n, 4, 4 * page_size, torch.int64)
+        prefill_plan, prefill_loc = prefill_case(gen, n, 4, 4 * page_size, torch.int32, short_out_loc=False)
+        pool = torch.randint(0, 256, (11, fmt.page_bytes(page_size)), dtype=torch.uint8, generator=gen).to(device)
+        expected = pool.clone()
+        args = tuple(t.to(device) for t in (x, decode_plan, prefill_plan, w, decode_loc, prefill_loc))
         step(*args, expected)
-        _assert_no_cache_copy(_compiled_code(compiled, *args, cache))
-        assert_same_bytes(cache, expected.cpu(), f"compiled n={n}")
+        assert not torch.equal(expected, pool), "rows were written"
+        _assert_no_cache_copy(_compiled_code(compiled, *args, pool))
+        assert_same_bytes(pool, expected.cpu(), f"compiled n={n}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -972,68 +1462,115 @@ def test_compile_peak_memory_below_half_the_cache():
     assert torch.cuda.max_memory_allocated() - base < cache.numel() // 2
 
 
-def _graph_inputs_k(gen, n, capacity):
-    x, w, eps = _rows("general", gen, n, 512)
-    pos = _positions(gen, n, torch.int64)
-    loc = _slots(gen, n, capacity, torch.int32)
-    loc[n - n // 4:] = -1  # padded graph rows
-    return x.cuda(), pos.cuda(), loc.cuda()
+@contextlib.contextmanager
+def _no_host_sync():
+    """Any host<->device sync inside raises (the writers' host code never syncs, eager or under capture)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+# At n >= kPipelineMinRows (csrc/cache/writers_kernels.cu) the CUDA K writer takes its pipelined path for
+# 16-byte aligned rows and a compact cache.
+K_WRITER_PIPELINE_MIN_ROWS = 4096
+
+
+def _graph_inputs(variant, is_decode, trial, n, capacity, big_n, big_capacity):
+    """One set of static inputs (CUDA, made before any sync-free region): compress rows, weight, plan and slots,
+    and for the main layouts K writer rows at decode size and at a pipelined size. Padded rows (slot -1 or a
+    sentinel plan entry) sit in the last quarter, rolled by the trial so they move between replays."""
+    gen = _gen("graph", variant, is_decode, trial)
+    d = 128 if variant.startswith("indexer") else 512
+    t = {}
+    t["c_kv"], t["c_w"], _ = _rows("general", gen, n, d)
+    if is_decode:
+        t["plan"], t["out_loc"] = decode_case(gen, n, 4, capacity, torch.int64)
+        t["out_loc"][n - n // 4:] = -1
+    else:
+        t["plan"], t["out_loc"] = prefill_case(gen, n, 4, capacity, torch.int64, short_out_loc=False)
+        t["plan"][n - n // 4:, :4] = 0xFF  # padding entries
+    t["plan"], t["out_loc"] = t["plan"].roll(trial, 0), t["out_loc"].roll(trial)
+    if d == 512:
+        t["k_w"] = torch.randn(512, generator=gen)
+        sizes = (("k", n, capacity, torch.float32), ("big", big_n, big_capacity, torch.bfloat16))
+        for prefix, rows, cap, dtype in sizes:
+            x, _, _ = _rows("general", gen, rows, 512)
+            loc = _slots(gen, rows, cap, torch.int32)
+            loc[rows - rows // 4:] = -1
+            t[f"{prefix}_kv"] = x.to(dtype)
+            t[f"{prefix}_pos"], t[f"{prefix}_loc"] = _positions(gen, rows, torch.int64), loc.roll(trial)
+    return {k: v.cuda() for k, v in t.items()}
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
-def test_cuda_graph_replay_equals_eager(layout):
+@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("variant", MAIN_VARIANTS + INDEXER_VARIANTS)
+def test_cuda_graph_replay_equals_eager(variant, is_decode):
+    """One graph holds the variant's writers: the compress writer with a decode or prefill plan and, for the
+    main layouts, the K writer at decode size and at a size that takes its pipelined path. The static inputs
+    are refilled in place between replays (new rows, weights, positions, slots and seq_lens; padded rows move);
+    each replay equals eager calls on cloned caches. Neither the eager calls nor the captured host code may
+    sync, and neither capture nor replay allocates."""
     page_size, pages, n = 64, 8, 48
-    capacity = pages * page_size
+    big_n, big_pages = K_WRITER_PIPELINE_MIN_ROWS + 37, 72
+    fmt = _fmt(variant)
+    indexer = isinstance(fmt, IndexerFormat)
+    layout, use_fp4 = (KVLayout.V4 if indexer else fmt), fmt is IndexerFormat.FP4
     table = _table("cuda")
-    gen = _gen("graph", layout)
-    kv, pos, loc = _graph_inputs_k(gen, n, capacity)
-    w = torch.randn(512, generator=gen).cuda()
-    plan, out_loc = decode_case(gen, n, 4, capacity, torch.int64)
-    plan, out_loc = plan.cuda(), out_loc.cuda()
-    k_cache = torch.randint(0, 256, (pages, layout.page_bytes(page_size)), dtype=torch.uint8, generator=gen).cuda()
-    c_cache = k_cache.clone()
+    sizes = (n, pages * page_size, big_n, big_pages * page_size)
+    static = _graph_inputs(variant, is_decode, 0, *sizes)
+    gen = _gen("graph caches", variant, is_decode)
+    caches = {"c": torch.randint(0, 256, (pages, fmt.page_bytes(page_size)), dtype=torch.uint8, generator=gen)}
+    if not indexer:
+        caches["k"] = torch.randint(0, 256, (pages, fmt.page_bytes(page_size)), dtype=torch.uint8, generator=gen)
+        caches["big"] = torch.randint(0, 256, (big_pages, fmt.page_bytes(page_size)), dtype=torch.uint8, generator=gen)
+    caches = {k: v.cuda() for k, v in caches.items()}
 
-    def calls(k_target, c_target):
-        dsv4.fused_k_norm_rope_flashmla(kv, w, 1e-6, table, pos, loc, k_target, page_size=page_size, layout=layout)
-        dsv4.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=table, out_loc=out_loc,
-                                      kvcache=c_target, page_size=page_size, layout=layout, compress_ratio=4,
-                                      is_decode=True)
+    def calls(t, target):
+        dsv4.compress_norm_rope_store(t["c_kv"], t["plan"], norm_weight=t["c_w"], norm_eps=1e-6, freq_cis=table,
+                                      out_loc=t["out_loc"], kvcache=target["c"], page_size=page_size, layout=layout,
+                                      use_fp4=use_fp4, compress_ratio=4, is_decode=is_decode)
+        if not indexer:
+            for prefix in ("k", "big"):
+                dsv4.fused_k_norm_rope_flashmla(t[f"{prefix}_kv"], t["k_w"], 1e-6, table, t[f"{prefix}_pos"],
+                                                t[f"{prefix}_loc"], target[prefix], page_size=page_size, layout=layout)
+
+    def cloned(target):
+        return {k: v.clone() for k, v in target.items()}
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        calls(k_cache.clone(), c_cache.clone())  # warm-up outside capture
+        warm = cloned(caches)
+        with _no_host_sync():
+            calls(static, warm)  # warm-up outside capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         # Measured inside the capture: beginning a capture may itself allocate (generator state).
         allocated = torch.cuda.memory_allocated()
-        calls(k_cache, c_cache)
+        with _no_host_sync():
+            calls(static, caches)
         allocated_by_writers = torch.cuda.memory_allocated() - allocated
     assert allocated_by_writers == 0, "the writers allocate nothing during capture"
-    for trial in range(3):
-        new_kv, new_pos, new_loc = _graph_inputs_k(_gen("graph", layout, trial), n, capacity)
-        new_plan, new_out_loc = decode_case(_gen("graph-plan", trial), n, 4, capacity, torch.int64)
-        kv.copy_(new_kv)
-        pos.copy_(new_pos)
-        loc.copy_(new_loc.roll(trial + 1))  # padded rows move
-        plan.copy_(new_plan)
-        out_loc.copy_(new_out_loc)
-        k_expected, c_expected = k_cache.clone(), c_cache.clone()
-        calls(k_expected, c_expected)
+    for trial in range(1, 4):
+        refill = _graph_inputs(variant, is_decode, trial, *sizes)
+        for key, value in refill.items():
+            static[key].copy_(value)
+        previous, expected = cloned(caches), cloned(caches)
+        with _no_host_sync():
+            calls(static, expected)
         torch.cuda.synchronize()
         before_replay = torch.cuda.memory_allocated()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        graph.replay()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == before_replay, "replay allocates nothing"
-        assert_same_bytes(k_cache, k_expected.cpu(), f"K writer replay {trial}")
-        assert_same_bytes(c_cache, c_expected.cpu(), f"compress replay {trial}")
+        for key in caches:
+            assert not torch.equal(expected[key], previous[key]), f"{key}: trial {trial} writes rows"
+            assert_same_bytes(caches[key], expected[key].cpu(), f"{key} replay {trial}")
 
 
 _PDL_SCRIPT = textwrap.dedent("""
@@ -1066,15 +1603,45 @@ _PDL_SCRIPT = textwrap.dedent("""
             deq.append(dsv4.dequantize_k_cache_paged(cache, slots, P, layout=layout))
         out[layout.str_name] = (cache.cpu(), ccache.cpu(), torch.stack(deq).cpu())
     idx = torch.randn(n, 128, device="cuda")
-    icache = torch.zeros(4, dsv4.IndexerFormat.FP8.page_bytes(64), dtype=torch.uint8, device="cuda")
-    for step in range(10):
-        plan = torch.zeros(n, 16, dtype=torch.uint8, device="cuda")
-        plan[:, 0] = 4 * (step + 1)
-        slots = torch.randperm(256, device="cuda")[:n]
-        dsv4.compress_norm_rope_store(idx * (step + 1), plan, norm_weight=torch.ones(128, device="cuda"),
-                                      norm_eps=1e-6, freq_cis=table, out_loc=slots, kvcache=icache, page_size=64,
-                                      compress_ratio=4, is_decode=True)
-    out["indexer"] = (icache.cpu(),)
+    for fmt in dsv4.IndexerFormat:
+        icache = torch.zeros(4, fmt.page_bytes(64), dtype=torch.uint8, device="cuda")
+        for step in range(10):
+            plan = torch.zeros(n, 16, dtype=torch.uint8, device="cuda")
+            plan[:, 0] = 4 * (step + 1)
+            slots = torch.randperm(256, device="cuda")[:n]
+            dsv4.compress_norm_rope_store(idx * (step + 1), plan, norm_weight=torch.ones(128, device="cuda"),
+                                          norm_eps=1e-6, freq_cis=table, out_loc=slots, kvcache=icache, page_size=64,
+                                          use_fp4=fmt is dsv4.IndexerFormat.FP4, compress_ratio=4, is_decode=True)
+        out["indexer_" + fmt.str_name] = (icache.cpu(),)
+    # Prefill plans: entry k -> out_loc[ragged_id k] (random ids, every 5th entry padding), main and indexer.
+    seq = torch.randint(1, 1024, (n,), device="cuda") * 4
+    seq[::5] = 0xFFFFFFFF
+    ragged = torch.randperm(n + 9, device="cuda")[:n]
+    plan = torch.stack([(seq >> s) & 0xFF for s in (0, 8, 16, 24)] + [ragged & 0xFF, ragged >> 8], 1)
+    plan = torch.cat([plan, torch.zeros(n, 10, dtype=plan.dtype, device="cuda")], 1).to(torch.uint8)
+    out_loc = torch.randperm(256, device="cuda")[: n + 9]
+    main = torch.randn(n, 512, device="cuda")
+    for name, rows, layout, use_fp4 in (("prefill_v41", main, KVLayout.V41, False),
+                                        ("prefill_v4", main, KVLayout.V4, False),
+                                        ("prefill_indexer_fp4", idx, KVLayout.V4, True)):
+        fmt = dsv4.IndexerFormat.FP4 if use_fp4 else layout
+        pcache = torch.zeros(4, fmt.page_bytes(64), dtype=torch.uint8, device="cuda")
+        dsv4.compress_norm_rope_store(rows, plan, norm_weight=torch.ones(rows.shape[1], device="cuda"), norm_eps=1e-6,
+                                      freq_cis=table, out_loc=out_loc, kvcache=pcache, page_size=64, layout=layout,
+                                      use_fp4=use_fp4, compress_ratio=4, is_decode=False)
+        out[name] = (pcache.cpu(),)
+    # The K writer's pipelined path (n >= 4096, 16-byte aligned rows, compact cache), back to back.
+    big = 4096 + 300
+    for layout in KVLayout:
+        cache = torch.zeros(big // P + 8, layout.page_bytes(P), dtype=torch.uint8, device="cuda")
+        for step in range(3):
+            xb = torch.randn(big, 512, device="cuda").to(torch.bfloat16 if step % 2 else torch.float32)
+            slots = torch.randperm(cache.shape[0] * P, device="cuda")[:big]
+            slots[::7] = -1
+            pos = torch.randint(0, 4096, (big,), device="cuda")
+            dsv4.fused_k_norm_rope_flashmla(xb, torch.randn(512, device="cuda"), 1e-6, table, pos, slots, cache,
+                                            page_size=P, layout=layout)
+        out["pipelined_" + layout.str_name] = (cache.cpu(),)
     torch.save(out, sys.argv[1])
 """)
 

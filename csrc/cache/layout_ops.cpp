@@ -10,6 +10,12 @@ namespace {
 std::vector<int64_t> traits_list(const FormatTraits& t) {
   return {t.bytes_per_token, t.data_bytes, t.scale_bytes, t.tile, t.num_scales, t.page_align};
 }
+
+KVLayout checked_layout(const char* op, const char* name, int64_t id) {
+  DSV4_CHECK(is_known_kv_layout(static_cast<int>(id)) && id == int64_t(int(id)), op, name,
+             " must be a KVLayout id (0 = V4, 1 = V41, 2 = V41_FP4), got ", id);
+  return static_cast<KVLayout>(id);
+}
 }  // namespace
 
 std::vector<int64_t> kv_layout_traits_op(int64_t layout) {
@@ -20,6 +26,11 @@ std::vector<int64_t> indexer_format_traits_op(int64_t fmt) {
   DSV4_CHECK(is_known_indexer_format(static_cast<int>(fmt)) && fmt == int64_t(int(fmt)),
              "indexer_format_traits", "fmt must be an IndexerFormat id (0 = FP8, 1 = FP4), got ", fmt);
   return traits_list(indexer_format_traits(static_cast<IndexerFormat>(fmt)));
+}
+
+bool kv_layout_pair_valid_op(int64_t main, int64_t extra) {
+  constexpr const char* op = "kv_layout_pair_valid";
+  return is_valid_kv_layout_pair(checked_layout(op, "main", main), checked_layout(op, "extra", extra));
 }
 
 std::vector<int64_t> page_geometry_op(std::string format, int64_t page_size) {

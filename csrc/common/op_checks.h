@@ -39,7 +39,8 @@ void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim);
 void check_dtype(const char* op, const char* name, const Tensor& t, ScalarType expected);
 // 1-D, contiguous, int32 or int64.
 void check_index_vector(const char* op, const char* name, const Tensor& t, const Tensor& ref);
-// 2-D [rows, width] with stride(1) == 1, bf16 or fp32 (fp16 rejected).
+// 2-D [rows, width] with stride(1) == 1, bf16 or fp32 (fp16 rejected); any row stride, overlapping or
+// broadcast rows included (the ops only read their activations).
 void check_activation(const char* op, const char* name, const Tensor& t, int64_t width,
                       const Tensor& ref);
 void check_page_size(const char* op, int64_t page_size);

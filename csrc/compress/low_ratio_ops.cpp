@@ -71,6 +71,8 @@ void check_c2_rows(const char* op, LowRatioParams& p, const Tensor& kv_input, co
   check_activation(op, "kv_input", kv_input, kPairRowWidth, k_cache);
   check_dtype(op, "kv_state", kv_state, ScalarType::Float);
   check_activation(op, "kv_state", kv_state, kPairRowWidth, k_cache);
+  DSV4_CHECK(kv_state.size(0) <= 1 || kv_state.stride(0) >= kPairRowWidth, op, "kv_state row stride ",
+             kv_state.stride(0), " overlaps rows (the ring is written)");
   check_index_vector(op, "positions", positions, k_cache);
   check_index_vector(op, "req_pool_indices", req_pool_indices, k_cache);
   check_index_vector(op, "raw_out_loc", raw_out_loc, k_cache);

@@ -572,9 +572,11 @@ void prefill_plan_cuda(const PrefillPlanParams& p, int32_t* scratch, cudaStream_
   const int64_t rows = p.rows_c > p.rows_w ? p.rows_c : p.rows_w;
   if (rows == 0) return;
   if (p.batch <= kScanTile) {
-    // One thread per request and the slice's owner lanes, in whole warps.
+    // One thread per request and the slice's owner lanes, in whole warps; an empty batch (every row a
+    // sentinel) runs one warp.
     const int64_t lanes = kOwnedSlots * (p.batch < kOwnerSlice ? p.batch : kOwnerSlice);
-    const int threads = int(((p.batch > lanes ? p.batch : lanes) + 31) / 32 * 32);
+    const int64_t per_block = p.batch > lanes ? p.batch : lanes;
+    const int threads = int((per_block > 0 ? per_block + 31 : 32) / 32 * 32);
     const unsigned row_blocks = blocks_for(rows, threads), owner_blocks = 2 * blocks_for(p.batch, kOwnerSlice);
     const unsigned blocks = row_blocks > owner_blocks ? row_blocks : owner_blocks;
     launch_kernel(p.geometry.ratio == 4 ? prefill_plan_fused_kernel<4> : prefill_plan_fused_kernel<128>,

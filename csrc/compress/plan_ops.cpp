@@ -168,7 +168,7 @@ PrefillSetup check_prefill(const char* op, const Tensor& req_pool_indices, const
     int64_t sum = 0;
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t L = p.seq_lens[b], E = p.extend_lens[b];
-      DSV4_CHECK(L <= kMaxSeqLen, op, "seq_lens[", b, "]=", L, " exceeds 2^31 - 1");
+      DSV4_CHECK(L >= 0 && L <= kMaxSeqLen, op, "seq_lens[", b, "]=", L, " must lie in [0, 2^31 - 1]");
       DSV4_CHECK(E >= 0 && E <= L, op, "extend_lens[", b, "]=", E, " must lie in [0, seq_lens[", b, "]=", L, "]");
       sum += E;
     }
