@@ -5,12 +5,19 @@
 #   DSV4_CUDA_ARCHS   semicolon list of SM numbers to build cubins for (default "90;100"; the
 #                     newest also ships as PTX). E.g. DSV4_CUDA_ARCHS=90 for a fast local build.
 #   DSV4_CPU_ONLY=1   build the CPU implementation only, even when nvcc exists.
+#   DSV4_REQUIRE_CUDA=1  fail instead of building the CPU implementation alone (CI sets it).
 #   NVCC_THREADS      nvcc --threads (default 2).
+#   CUDA_HOME         the toolkit; unset, /usr/local/cuda when it has nvcc, else torch's guess.
 import os
 import shutil
 
-from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+# Set before torch.utils.cpp_extension reads it: torch otherwise guesses the toolkit from the nvcc on PATH, and a
+# wrapper script such as /usr/local/bin/nvcc makes it guess /usr/local, which has no CUDA headers.
+if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ and os.access("/usr/local/cuda/bin/nvcc", os.X_OK):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+from setuptools import find_packages, setup  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,7 +67,8 @@ ABI_DEFINES = ["-DTORCH_TARGET_VERSION=0x020a000000000000"]
 def cuda_available() -> bool:
     if os.environ.get("DSV4_CPU_ONLY", "0") == "1":
         return False
-    return CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is not None
+    return (CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is not None
+            and os.path.exists(os.path.join(CUDA_HOME, "include", "cuda_runtime_api.h")))
 
 
 def gencode_flags():
@@ -77,6 +85,9 @@ def make_extension():
     include_dirs = [os.path.join(ROOT, "include"), os.path.join(ROOT, "csrc")]
     cxx_flags = ["-O3", "-DNDEBUG", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden"] + ABI_DEFINES
     if not cuda_available():
+        if os.environ.get("DSV4_REQUIRE_CUDA", "0") == "1":
+            raise SystemExit(f"sgl_dsv4_kernels: DSV4_REQUIRE_CUDA=1 but no usable CUDA toolkit (CUDA_HOME={CUDA_HOME}, "
+                             f"DSV4_CPU_ONLY={os.environ.get('DSV4_CPU_ONLY', '0')})")
         print("sgl_dsv4_kernels: no CUDA compiler found; building the CPU implementation only")
         return CppExtension(
             "sgl_dsv4_kernels._C",

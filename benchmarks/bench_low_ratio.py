@@ -91,6 +91,12 @@ def _c2_from_ring(a) -> int:
 
 
 
+def _hot_inputs(calls):
+    """The calls' inputs, which serving has just written: every tensor but the ring state (a layer's ring rows
+    come cold by its next step, as the cache does)."""
+    return [t for a in calls for name, t in a.items() if isinstance(t, torch.Tensor) and name != "state"]
+
+
 def _target(n) -> str:
     return "<= 3 us" if n <= 256 else ">= 85 %"
 
@@ -101,12 +107,13 @@ def _bench_c1(bench, results, layout, weight, table, with_torch):
     theirs = compiled(torch_impls.c1_decode) if with_torch else None
     for n in DECODE_SIZES:
         calls = _c1_calls(n, capacity, weight, table)
+        hot = _hot_inputs(calls)
         us = bench.time_graph([lambda a=a: dsv4.c1_decode_norm_rope_store(
             a["kv"], a["weight"], a["positions"], a["out_loc"], EPS, a["table"], cache, page_size=PAGE,
-            layout=layout) for a in calls])
+            layout=layout) for a in calls], hot=hot)
         t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(
             a["kv"], a["weight"], EPS, a["table"], a["positions"], a["out_loc"], cache, PAGE, int(layout))
-            for a in calls])) if theirs else None
+            for a in calls], hot=hot)) if theirs else None
         nbytes = c1_bytes(layout, n)
         results.append(row(bench, family="low_ratio", op="c1", case=f"{layout.str_name} decode", n=n, us=us,
                            nbytes=nbytes, torch_us=t_us, baseline_us=flat_copy_us(bench, nbytes, CALLS_PER_GRAPH),
@@ -121,12 +128,13 @@ def _bench_c2(bench, results, layout, weight, table, with_torch, draft_len):
     mode = f"verify d={draft_len}" if draft_len else "decode"
     for n in (VERIFY_SIZES if draft_len else DECODE_SIZES):
         calls = _c2_calls(n, draft_len, capacity, weight, table)
+        hot = _hot_inputs(calls)
         us = bench.time_graph([lambda a=a: dsv4.c2_decode_or_verify_norm_rope_store(
             a["kv"], a["state"], a["weight"], a["positions"], a["req"], a["raw"], EPS, a["table"], cache,
-            page_size=PAGE, ring_size=a["ring"], draft_len=a["draft_len"], layout=layout) for a in calls])
+            page_size=PAGE, ring_size=a["ring"], draft_len=a["draft_len"], layout=layout) for a in calls], hot=hot)
         t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(
             a["kv"], a["state"], a["weight"], EPS, a["table"], a["positions"], a["req"], a["raw"], cache, PAGE,
-            a["ring"], a["draft_len"], int(layout)) for a in calls])) if theirs else None
+            a["ring"], a["draft_len"], int(layout)) for a in calls], hot=hot)) if theirs else None
         nbytes = c2_bytes(layout, calls[0]["positions"].cpu(), _c2_from_ring(calls[0]))
         results.append(row(bench, family="low_ratio", op="c2", case=f"{layout.str_name} {mode}",
                            n=calls[0]["kv"].shape[0], us=us, nbytes=nbytes, torch_us=t_us,

@@ -1,9 +1,10 @@
 """Norm + RoPE writer benchmarks: fused_k_norm_rope_flashmla (every main layout) and
 compress_norm_rope_store (main layouts and both indexer formats, decode plans at ratio 4), at decode sizes
-under CUDA-graph replay and at large N (consecutive and random slots), against compiled torch. At 65536
+under CUDA-graph replay and at large N (65536, 131072 and 2^20 rows; consecutive slots against a plain copy
+of the same bytes, random slots against a scatter of the same data rows), against compiled torch. Up to 65536
 rows the compress writer also runs the same rows as a prefill plan (the shape of a real large-N call: a
 prefill emits one compressed row per `ratio` tokens; ragged ids are 16-bit, so a plan holds <= 65536 rows).
-The single-call sizes also include prefill-chunk sizes below the spec's large N (8192 and 16384 rows, no
+The single-call sizes also include prefill-chunk sizes below the spec's large N (4096 to 32768 rows, no
 target): the K writer switches to its pipelined kernel at 4096 rows, whose warps take 16 rows each.
 
     python -m benchmarks.bench_writers [--only k_writer,compress] [--no-torch]
@@ -18,11 +19,11 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import IndexerFormat, KVLayout
 
 from . import torch_impls_writers as torch_impls
-from .harness import torch_baseline_us, Bench, compiled, flat_copy_single_us, row
+from .harness import torch_baseline_us, Bench, compiled, flat_copy_single_us, row, scatter_rows_baseline
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
-LARGE_SIZES = (65536, 1 << 20)
-MID_SIZES = (8192, 16384)  # prefill chunks: timed like the large sizes, no target
+LARGE_SIZES = (65536, 131072, 1 << 20)
+MID_SIZES = (4096, 8192, 16384, 32768)  # prefill chunks: timed like the large sizes, no target
 CALLS_PER_GRAPH = 64
 DECODE_CACHE_BYTES = 256 << 20  # destination slots rotate over a cache > 2x L2
 PAGE = 64
@@ -124,10 +125,11 @@ def _decode(bench, results, op, fmt, table, with_torch):
     for n in DECODE_SIZES:
         slot_sets = torch.randperm(capacity, device="cuda")[: n * CALLS_PER_GRAPH].view(CALLS_PER_GRAPH, n)
         calls = [_inputs(op, fmt, slots, table) for slots in slot_sets]
-        us = bench.time_graph([lambda a=a: ours(a, cache) for a in calls])
+        hot = [t for a in calls for t in a.values() if isinstance(t, torch.Tensor)]  # the cache comes cold
+        us = bench.time_graph([lambda a=a: ours(a, cache) for a in calls], hot=hot)
         t_us = None
         if theirs:
-            t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(a, cache) for a in calls]))
+            t_us = torch_baseline_us(lambda: bench.time_graph([lambda a=a: theirs(a, cache) for a in calls], hot=hot))
         results.append(row(bench, family="writers", op=op, case=f"{_name(fmt)} decode", n=n, us=us,
                            nbytes=_bytes(op, fmt, calls[0]), torch_us=t_us, target="<= 3 us" if n <= 256 else ""))
 
@@ -147,8 +149,11 @@ def _large(bench, results, op, fmt, table, with_torch):
                 t_us = torch_baseline_us(lambda: bench.time_single(lambda: theirs(a, cache)))
             nbytes = _bytes(op, fmt, a)
             # Consecutive slots and prefill plans: also against a plain copy of the same bytes at this size (the
-            # ceiling there).
-            extra = dict(baseline_us=flat_copy_single_us(bench, nbytes)) if pattern != "random" else {}
+            # ceiling there); random slots against a scatter of the same data rows into the same slots.
+            if pattern == "random":
+                extra = scatter_rows_baseline(bench, fmt.data_bytes, slots)
+            else:
+                extra = dict(baseline_us=flat_copy_single_us(bench, nbytes))
             results.append(row(bench, family="writers", op=op, case=f"{_name(fmt)} {pattern}", n=n, us=us,
                                nbytes=nbytes, torch_us=t_us, target=_target_large(op, fmt, pattern, n), **extra))
 

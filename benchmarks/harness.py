@@ -1,8 +1,10 @@
 """Shared benchmark machinery: CUDA-graph replay timing, the device-to-device copy roofline,
 a plain gather/scatter-copy baseline and result rows.
 
-Decode-size cases are timed as the median per-call time of many calls captured in one CUDA graph;
-large cases as the median of single calls timed with events, with the L2 flushed in between.
+Decode-size cases are timed as the median per-call time of many calls captured in one CUDA graph, each call
+with its own destination lines, and the L2 flushed before every replay with only the calls' inputs read back into
+it (`hot`): the lines the calls write, and the state rows they read, come cold as in serving. Large cases are
+timed as the median of single calls timed with events, with the L2 flushed in between.
 """
 from __future__ import annotations
 
@@ -55,11 +57,26 @@ class Bench:
             times.append(start.elapsed_time(end) * 1e3)
         return statistics.median(times)
 
-    def time_graph(self, calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+    def warm_l2(self, hot: Sequence[torch.Tensor]) -> None:
+        """Flushes the L2, then reads `hot` back into it (each tensor once, however often it is listed)."""
+        self.flush_l2()
+        seen = set()
+        for t in hot:
+            key = (t.data_ptr(), t.shape, t.stride())
+            if key not in seen:
+                seen.add(key)
+                t.sum()
+
+    def time_graph(self, calls: Sequence[Callable[[], object]], replays: int = 20,
+                   hot: Optional[Sequence[torch.Tensor]] = None) -> float:
         """Median microseconds per call of `calls` captured back to back in one CUDA graph.
 
-        Each entry of `calls` typically uses its own inputs and destination slots, so that a replay
-        writes lines spread over a large cache, as a decode step does in serving.
+        Each entry of `calls` typically uses its own inputs and destination slots. With `hot` (the calls'
+        inputs: what serving's previous kernels have just written), every replay starts from an L2 that holds
+        those tensors and nothing else the calls touch: the cache lines they write and the state rows they
+        read come from DRAM, as a layer's do at its next decode step (ARCHITECTURE §5). Without `hot`, a replay
+        finds whatever the previous one left in the L2: every line a call touches is hot from the second
+        replay on, so a few calls per graph would write L2-resident lines only.
         """
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -76,6 +93,8 @@ class Bench:
         torch.cuda.synchronize()
         times = []
         for _ in range(replays):
+            if hot is not None:
+                self.warm_l2(hot)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graph.replay()
@@ -101,14 +120,26 @@ def scatter_copy_us(bench: Bench, dst_rows: torch.Tensor, slots: torch.Tensor, s
     return bench.time_single(lambda: dst_rows.index_copy_(0, slots, src_rows))
 
 
+def scatter_rows_baseline(bench: Bench, row_bytes: int, slots: torch.Tensor) -> Dict:
+    """The random-slot baseline of a cache writer, as `row` arguments: a scatter (index_copy_) of rows of
+    row_bytes from a contiguous source into the same slots, in the widest words that divide a row."""
+    words = as_words(row_bytes)
+    word_bytes = torch.empty((), dtype=words).element_size()
+    dst = torch.zeros(slots.numel(), row_bytes // word_bytes, dtype=words, device=bench.device)
+    src = torch.ones_like(dst)
+    return dict(baseline_us=scatter_copy_us(bench, dst, slots.long(), src),
+                baseline_bytes=2 * slots.numel() * row_bytes)
+
+
 def flat_copy_us(bench: Bench, nbytes: int, calls: int) -> float:
     """One device copy moving nbytes (nbytes / 2 read, nbytes / 2 written) per call, timed like a decode op:
-    `calls` disjoint buffer pairs replayed from one CUDA graph. What moving the same bytes costs at that size in
-    one launch, launch latency included: the ceiling of a decode-size op."""
+    `calls` disjoint buffer pairs replayed from one CUDA graph, the sources hot and the destinations cold.
+    What moving the same bytes costs at that size in one launch, launch latency included: the ceiling of a
+    decode-size op."""
     half = max(nbytes // 2, 1)
     pairs = [(torch.empty(half, dtype=torch.uint8, device=bench.device).random_(),
               torch.empty(half, dtype=torch.uint8, device=bench.device)) for _ in range(calls)]
-    return bench.time_graph([lambda s=s, d=d: d.copy_(s) for s, d in pairs])
+    return bench.time_graph([lambda s=s, d=d: d.copy_(s) for s, d in pairs], hot=[s for s, _ in pairs])
 
 
 def flat_copy_single_us(bench: Bench, nbytes: int) -> float:

@@ -1,6 +1,7 @@
 // The single schema list of torch.ops.dsv4 and the registration of every implementation.
 // Each op has one host function that validates its arguments and dispatches on the device of its
-// tensors, so the same function is registered for CPU and CUDA. Fakes live in sgl_dsv4_kernels/_fake.py.
+// tensors, so the same function is registered for CPU and CUDA. Fakes live in sgl_dsv4_kernels/_fake.py and
+// _fake_compress.py.
 #include <Python.h>
 
 #include <torch/csrc/stable/library.h>

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the `cuda` tests and the benchmarks on a GPU machine against the module built on the CPU
-# machine (sgl_dsv4_kernels/_C.abi3.so carried along), writes logs under $OUT (default ./gpu_out)
-# and prints a short summary last.   usage: scripts/gpu_check.sh [tests|bench|all] [pytest args...]
+# machine (sgl_dsv4_kernels/_C.abi3.so carried along), writes logs and the full table under $OUT (default
+# ./gpu_out) and prints last the failed tests and the benchmarks' compact table (benchmarks/run.py compact_summary).
+# usage: scripts/gpu_check.sh [tests|bench|all] [pytest args...]
 set -u -o pipefail
 mode="${1:-all}"; shift || true
 out="${OUT:-$PWD/gpu_out}"
@@ -18,7 +19,8 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
 fi
 bench_rc=0
 if [[ "$mode" == bench || "$mode" == all ]]; then
-  python3 -m benchmarks.run --out "$out" > "$out/bench.log" 2>&1
+  rm -f "$out/bench_rows.json"
+  python3 -m benchmarks.run --out "$out" --json "$out/bench_rows.json" > "$out/bench.log" 2>&1
   bench_rc=$?
 fi
 
@@ -29,7 +31,18 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
   echo "cuda tests exit code: $tests_rc"
 fi
 if [[ "$mode" == bench || "$mode" == all ]]; then
-  grep -v "^  torch baseline failed" "$out/bench.log" | tail -n 80
+  if [[ $bench_rc -ne 0 ]]; then  # where it stopped
+    echo "--- end of $out/bench.log ---"
+    grep -v "^  torch baseline failed" "$out/bench.log" | tail -n 25
+  fi
+  n_failed=$(grep -c "^  torch baseline failed" "$out/bench.log")
+  [[ ${n_failed:-0} -gt 0 ]] && echo "torch baselines failed: $n_failed (see $out/bench.log)"
+  echo "full table: $(ls "$out"/*.md 2>/dev/null | tr '\n' ' ')log: $out/bench.log"
+  if [[ -s "$out/bench_rows.json" ]]; then
+    python3 -m benchmarks.run --compact "$out/bench_rows.json" | tee "$out/bench_compact.txt"
+  else
+    echo "no benchmark rows written"
+  fi
   echo "benchmarks exit code: $bench_rc"
 fi
 [[ $tests_rc -eq 0 && $bench_rc -eq 0 ]]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the virtual environment .venv, installs the build and test requirements and
-# builds the extension in place. Sourced by the README's commands and by .ci/run.
+# builds the extension in place. Run by the README's commands (scripts/test.sh, scripts/selftest.sh), and so by
+# .ci/run.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"

@@ -27,10 +27,13 @@ def info() -> int:
     print(f"torch {torch.__version__}; CUDA available: {torch.cuda.is_available()}")
     if torch.cuda.is_available():
         print(f"device: {torch.cuda.get_device_name()}")
-    ops = sorted(name for name in dir(torch.ops.dsv4) if not name.startswith("_") and name not in ("name", "is_open"))
+    # Every registered schema (dir(torch.ops.dsv4) lists only the ops resolved so far).
+    ops = sorted({s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("dsv4::")})
     print("ops: " + ", ".join(ops))
-    for layout in dsv4.KVLayout:
-        print(f"  {layout.str_name:8s} {layout.bytes_per_token} B/token, page(64) = {layout.page_bytes(64)} B")
+    formats = [(layout.str_name, layout) for layout in dsv4.KVLayout]
+    formats += [(f"indexer_{fmt.str_name}", fmt) for fmt in dsv4.IndexerFormat]
+    for name, fmt in formats:
+        print(f"  {name:11s} {fmt.bytes_per_token} B/token, page(64) = {fmt.page_bytes(64)} B")
     return 0
 
 

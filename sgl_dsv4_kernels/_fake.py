@@ -144,7 +144,6 @@ def _check_fake_quant(op, x, block_size):
         _msg(op, f"x must be bfloat16, float16 or float32, got {x.dtype}"),
     )
     torch._check(x.dim() >= 1, _msg(op, "x must have rank >= 1, got a 0-d tensor"))
-    torch._check(x.dim() <= 9, _msg(op, "x must have rank <= 9"))
     torch._check(x.size(-1) <= 1 or x.stride(-1) == 1, _msg(op, "x must have stride(-1) == 1"))
     torch._check(x.size(-1) % block_size == 0, _msg(op, f"x.size(-1) must be a multiple of {block_size}"))
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -482,6 +481,7 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, k
 # ---- ratio-1 / ratio-2 decode compressors ----
 
 _PAIR_ROW_WIDTH = 2 * _MAIN_DIM  # c2 projection and state rows: kv then score
+_MAX_C2_PREFILL_REQUESTS = 2**31 - 1  # one block each along grid x of the ring-park launch (low_ratio_launch.h)
 
 
 def _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, freqs_cis):
@@ -549,4 +549,7 @@ def _c2_prefill_norm_rope_store(kv_input, kv_state, norm_weight, positions, req_
     check_index_vector(op, "extend_lens", extend_lens, k_cache)
     torch._check(extend_lens.size(0) == extend_starts.size(0),
                  _msg(op, "extend_lens must have one entry per request (as many as extend_starts)"))
+    torch._check(extend_starts.size(0) <= _MAX_C2_PREFILL_REQUESTS,
+                 _msg(op, f"extend_starts has {extend_starts.size(0)} requests; at most {_MAX_C2_PREFILL_REQUESTS} "
+                          "are supported"))
     return kv_input.new_empty((kv_input.size(0), _MAIN_DIM), dtype=torch.bfloat16)

@@ -149,8 +149,6 @@ def _compress_forward(state, kv_score_input, ape, plan, plan_w, head_dim, compre
     torch._check(kv_score_input.dim() == 2, _msg(op, "kv_score_input must be 2-D"))
     torch._check(kv_score_input.size(1) == width, _msg(op, f"kv_score_input must have {width} columns"))
     torch._check(kv_score_input.stride(1) == 1, _msg(op, "kv_score_input must have stride(1) == 1"))
-    torch._check(kv_score_input.size(0) <= 1 or kv_score_input.stride(0) >= width,
-                 _msg(op, "kv_score_input row stride overlaps rows"))
     check_same_device(op, "ape", ape, state)
     torch._check(ape.dtype == torch.float32, _msg(op, f"ape must be float32, got {ape.dtype}"))
     torch._check(ape.dim() == 2 and ape.size(0) == window and ape.size(1) == head_dim,

@@ -154,7 +154,8 @@ def c2_prefill_norm_rope_store(
     for whole rows past the requests or whole requests: the partners follow the positions (an odd row pools with
     the input row before it whenever that row is its request's previous position, as in verify), and only a
     request's last ``lcm(2, ring_size)`` rows park their rows in the ring. Two launches on CUDA: the rows, then
-    the ring writes, so that every ring read comes first.
+    the ring writes, so that every ring read comes first. At most ``2**31 - 1`` requests (one block each in the
+    ring-write launch); more are rejected before anything is written.
     """
     op = "c2_prefill_norm_rope_store"
     return torch.ops.dsv4.c2_prefill_norm_rope_store(
@@ -253,7 +254,7 @@ def reset_compress_state(state: torch.Tensor, ratio: int, head_dim: int) -> torc
     fn = "reset_compress_state"
     _check_ratio(fn, ratio)
     _check_head_dim(fn, ratio, head_dim)
-    width = 4 * head_dim if ratio == 4 else 2 * head_dim
+    width = state_row_width(ratio, head_dim)
     if state.dim() < 2 or state.shape[-1] != width or state.numel() // width < ratio:
         raise ValueError(f"{fn}: state must be [rows, {width}] (or [pages, {ratio}, {width}]) with at least "
                          f"{ratio} rows for ratio {ratio}, head_dim {head_dim}, got {list(state.shape)}")
@@ -391,7 +392,8 @@ def compress_forward(
     plan row k; zero where no entry is emitted) and updates the state ring in place.
 
     ``state`` is the pool of ``alloc_compress_state`` (or a dim-0 slice of it), ``kv_score_input``
-    the raw projection rows ``[N, W]``, ``ape`` the kernel bias of ``ape_for_kernel``. ``plan`` is a
+    the raw projection rows ``[N, W]`` (last dim contiguous, any row stride: repeated or overlapping rows are
+    only read), ``ape`` the kernel bias of ``ape_for_kernel``. ``plan`` is a
     ``CompressPlan`` or the raw plan tensor with explicit ``compress_ratio`` and ``is_decode``
     (and ``plan_w`` for prefill).
     """

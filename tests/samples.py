@@ -256,6 +256,13 @@ def strided_rows(x: torch.Tensor, extra: int = 3) -> torch.Tensor:
     return wide[:, :w]
 
 
+def overlapping_rows(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """x.shape rows taken `stride` elements apart from x's values laid end to end: repeated rows (stride 0) or
+    rows that overlap (stride < width)."""
+    n, width = x.shape
+    return x.reshape(-1)[: (n - 1) * stride + width].as_strided((n, width), (stride, 1))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Slots
 
@@ -465,6 +472,11 @@ def fake_quant_samples(device="cpu") -> Iterator[Sample]:
     x3 = make_rows(12, 64, tile=16, seed=8, dtype=torch.float32).view(3, 4, 64).to(device)
     yield Sample("fq_kv-3d", ops.fake_quant_compressed_kv.default, (x3,), {})
     yield Sample("fq_fp4-3d", ops.fake_quant_fp4.default, (x3,), dict(block_size=32))
+    # Rank 12 whose 11 leading dims are laid out in reverse order, so none merges with another.
+    x12 = make_rows(2**11, 32, tile=16, seed=9, dtype=torch.float32).view([2] * 11 + [32]).to(device)
+    x12 = x12.permute(*range(10, -1, -1), 11).contiguous().permute(*range(10, -1, -1), 11)
+    yield Sample("fq_kv-rank12", ops.fake_quant_compressed_kv.default, (x12,), {})
+    yield Sample("fq_fp4-rank12", ops.fake_quant_fp4.default, (x12,), dict(block_size=16))
 
 
 def all_samples(device="cpu") -> List[Sample]:

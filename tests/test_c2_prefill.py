@@ -17,6 +17,7 @@ from sgl_dsv4_kernels import reference as R
 from test_low_ratio import (DEVICES, EPS, INDEX_DTYPES, LAYOUTS, C2Setup, _assert_no_pool_copy, _generated_code,
                             assert_bits_equal, assert_rejects, assert_same, bits, replay_against_eager,
                             check_c2_against_reference, cuda_only, gen, idx, misaligned, pair_rows)
+from test_cache_ops import _huge_cpu_tensor
 
 
 class Chunk:
@@ -204,6 +205,40 @@ def test_empty_chunk():
     a = _args()
     for k in ("kv_input", "positions", "req_pool_indices", "raw_out_loc", "extend_starts", "extend_lens"):
         a[k] = a[k][:0]
+    assert _op(a).shape == (0, 512)
+
+
+MAX_REQUESTS = 2**31 - 1  # grid x limit of the ring-write launch, one block per request
+
+
+def _empty_rows_with_requests(requests: int, device: str, tmp_path):
+    """Arguments with no kv rows and `requests` entries of extend_starts / extend_lens. On the CPU the index
+    vectors are virtual memory (8 GiB each) that the op must never touch: it rejects or, with no rows, returns."""
+    a = _args()
+    for k in ("kv_input", "positions", "req_pool_indices", "raw_out_loc"):
+        a[k] = a[k][:0]
+    for k in ("extend_starts", "extend_lens"):
+        if device == "meta":
+            a[k] = torch.empty(requests, dtype=torch.int32, device="meta")
+        else:
+            a[k] = _huge_cpu_tensor(4 * requests, tmp_path / k).view(torch.int32)
+    if device == "meta":
+        a = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    return a
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_request_count_bounded_by_the_park_grid(device, tmp_path):
+    """2^31 requests would overflow the ring-write launch's grid x after the rows launch wrote the cache: the host
+    check (and the fake) rejects them before anything runs, naming the op and extend_starts; 2^31 - 1 pass."""
+    (tmp_path / "extend_starts").mkdir()
+    (tmp_path / "extend_lens").mkdir()
+    a = _empty_rows_with_requests(MAX_REQUESTS + 1, device, tmp_path)
+    with pytest.raises(RuntimeError, match=r"dsv4\.c2_prefill_norm_rope_store: extend_starts has 2147483648 "
+                                           r"requests; at most 2147483647"):
+        _op(a)
+    del a
+    a = _empty_rows_with_requests(MAX_REQUESTS, device, tmp_path)
     assert _op(a).shape == (0, 512)
 
 

@@ -909,6 +909,10 @@ def _fake_quant_input(shape, dtype, seed, device, layout="contiguous"):
         assert len(shape) >= 3
         t = x.transpose(0, 1).contiguous().to(device)
         return t.transpose(0, 1)
+    if layout == "reversed":  # leading dims laid out in reverse order: none merges with another
+        lead = list(range(len(shape) - 1))[::-1]
+        t = x.permute(*lead, -1).contiguous().to(device)
+        return t.permute(*lead, -1)
     if layout == "odd_stride":
         wide = torch.zeros((*shape[:-1], w + 3), dtype=dtype)
         wide[..., :w] = x
@@ -918,7 +922,11 @@ def _fake_quant_input(shape, dtype, seed, device, layout="contiguous"):
 
 FQ_CASES = [([7, 3, 512], "contiguous"), ([1, 128], "contiguous"), ([512], "contiguous"),
             ([7, 3, 512], "column_slice"), ([7, 3, 512], "transposed"), ([33, 256], "odd_stride"),
-            ([2, 3, 2, 128], "column_slice")]
+            ([2, 3, 2, 128], "column_slice"),
+            # Ranks above 9: unit dims dropped leave 6 leading dims; 10 and 11 leading dims that do not merge;
+            # 11 that merge into one.
+            ([2, 1, 3, 2, 1, 2, 2, 1, 2, 128], "reversed"), ([2] * 10 + [128], "reversed"),
+            ([2] * 11 + [128], "reversed"), ([2] * 11 + [128], "column_slice")]
 
 
 def _check_fake_quant(x, op, expected_fn):
@@ -948,6 +956,19 @@ def test_T10_fake_quant_fp4_matches_reference(ref, device, dtype, case, block_si
     x = _fake_quant_input(shape, dtype, seed_of("T10fp4", dtype, case), device, layout)
     _check_fake_quant(x, lambda t: dsv4.fake_quant_fp4(t, block_size=block_size),
                       lambda t: ref.fake_quant_fp4(t, block_size=block_size))
+
+
+@pytest.mark.parametrize("shape", [[2, 1, 3, 2, 1, 2, 2, 1, 2, 64], [2] * 10 + [64], [3, 1] + [2] * 9 + [64]],
+                         ids=lambda s: f"rank{len(s)}")
+@pytest.mark.parametrize("layout", ["contiguous", "reversed", "column_slice"])
+def test_T10_fake_quant_high_rank_equals_rows(device, shape, layout):
+    """Any rank: a rank 10-12 x quantizes bit for bit as its rows do in a contiguous [rows, width] tensor."""
+    x = _fake_quant_input(shape, FP32, seed_of("T10rank", len(shape), layout), device, layout)
+    rows = x.reshape(-1, shape[-1]).contiguous()
+    for op in (dsv4.fake_quant_compressed_kv, lambda t: dsv4.fake_quant_fp4(t, block_size=64)):
+        y = op(x)
+        assert y.shape == x.shape and y.is_contiguous()
+        assert_bits_equal(y.reshape(rows.shape), op(rows))
 
 
 def test_T10_fake_quant_fp4_default_block_size_is_32(ref, device):

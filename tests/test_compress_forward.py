@@ -14,7 +14,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import reference as ref
 
 from compress_cases import CUDA_MARKS, DEVICES, HAS_CUDA, Engine, capacity, gen, width_of
-from samples import run_with_pdl_off_and_on
+from samples import overlapping_rows, run_with_pdl_off_and_on
 
 
 # (ratio, head_dim, paged, sps): c4 in paged mode (sps 256 and 64) and request rings, D 512 and 128;
@@ -588,19 +588,15 @@ def _assert_no_state_copy(code: str):
     assert not found, f"compiled code copies the state ({found}):\n{code}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("ratio,is_decode", [(4, True), (4, False), (128, True), (128, False)],
-                         ids=["c4-decode", "c4-prefill", "c128-decode", "c128-prefill"])
-@pytest.mark.parametrize("as_slice", [False, True], ids=["base", "slice"])
-def test_compile_without_state_clone(device, ratio, is_decode, as_slice):
-    """fullgraph compile of compress_forward, decode and prefill (plan_w; two launches on CUDA), with the
-    state passed as the base tensor and as a dim-0 slice of a larger pool: no copy of the state (§7)."""
-    from torch._inductor.utils import run_and_get_code
+RATIO_AND_PLAN = pytest.mark.parametrize("ratio,is_decode", [(4, True), (4, False), (128, True), (128, False)],
+                                         ids=["c4-decode", "c4-prefill", "c128-decode", "c128-prefill"])
 
-    torch._dynamo.reset()
+
+def _emitting_step(device, ratio, is_decode, seed):
+    """(engine, input rows, plan) of one decode or prefill step over three requests in which every step emits:
+    request 1 closes a chunk (decode), request 2's extend closes one reading the ring."""
     D, ring = (128, 8) if ratio == 4 else (512, 128)
-    e = Engine(ratio, D, ring, paged=False, num_requests=3, device=device, seed=("compile", ratio, is_decode))
-    # every step emits: request 1 closes a chunk (decode), request 2's extend closes one reading the ring
+    e = Engine(ratio, D, ring, paged=False, num_requests=3, device=device, seed=seed)
     e.extend([1, 2], [9, 130] if ratio == 4 else [127, 250])
     rids = torch.tensor([1, 2, 3], device=device)
     if is_decode:
@@ -612,6 +608,19 @@ def test_compile_without_state_clone(device, ratio, is_decode, as_slice):
         plan = dsv4.plan_compress_prefill(rids, torch.tensor(L, device=device), torch.tensor(E, device=device),
                                           num_q_tokens=sum(E), use_cuda_graph=True, **e.plan_kwargs())
         x = e.rows(sum(E)).to(device)
+    return e, x, plan
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@RATIO_AND_PLAN
+@pytest.mark.parametrize("as_slice", [False, True], ids=["base", "slice"])
+def test_compile_without_state_clone(device, ratio, is_decode, as_slice):
+    """fullgraph compile of compress_forward, decode and prefill (plan_w; two launches on CUDA), with the
+    state passed as the base tensor and as a dim-0 slice of a larger pool: no copy of the state (§7)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    e, x, plan = _emitting_step(device, ratio, is_decode, ("compile", ratio, is_decode))
     ape = e.ape.to(device)
     rows = e.state.shape[0]
     pool = torch.zeros(rows + 2 * ratio, e.W, device=device)
@@ -635,6 +644,45 @@ def test_compile_without_state_clone(device, ratio, is_decode, as_slice):
     assert torch.equal(pool, expected_pool)
     assert torch.equal(got, expected)
     assert got.abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@RATIO_AND_PLAN
+@pytest.mark.parametrize("stride", [0, 1, "W-4"], ids=lambda s: f"stride{s}")
+def test_overlapping_input_rows_equal_contiguous_copy(device, ratio, is_decode, stride):
+    """kv_score_input may have any row stride, repeated and overlapping rows included (compress_forward only reads
+    it, §4: "last dim contiguous"): the output and the state equal those of the same rows copied contiguously (and
+    the reference's), the input is untouched, and the fake accepts the strides (fake mode, fullgraph compile)."""
+    e, x, plan = _emitting_step(device, ratio, is_decode, ("overlap", ratio, is_decode))
+    x = overlapping_rows(x, e.W - 4 if stride == "W-4" else stride)
+    x_before, copy = x.clone(), x.contiguous()
+    ape = e.ape.to(device)
+
+    def step(rows, state):
+        return dsv4.compress_forward(state, rows, ape, plan, head_dim=e.D)
+
+    state_ref = e.state.cpu().clone()
+    out_ref = ref.compress_forward(state_ref, copy.cpu(), e.ape, plan.plan.cpu(),
+                                   None if is_decode else plan.plan_w.cpu(), e.D, ratio, is_decode)
+    state_copy = e.state.clone()
+    out_copy = step(copy, state_copy)
+    out = step(x, e.state)
+    assert torch.equal(out, out_copy) and torch.equal(e.state, state_copy)
+    assert torch.equal(x, x_before), "kv_score_input was written"
+    assert out.abs().sum() > 0, "the step emits"
+    assert torch.equal(e.state.cpu(), state_ref)
+    torch.testing.assert_close(out.cpu(), out_ref, atol=2e-5, rtol=2e-5)
+
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake_plan = dsv4.CompressPlan(mode.from_tensor(plan.plan),
+                                      None if is_decode else mode.from_tensor(plan.plan_w), ratio, is_decode)
+        fake = dsv4.compress_forward(mode.from_tensor(state_copy), mode.from_tensor(x), mode.from_tensor(ape),
+                                     fake_plan, head_dim=e.D)
+    assert fake.shape == out.shape and fake.dtype == out.dtype
+    torch._dynamo.reset()
+    state_compiled = state_copy.clone()
+    assert torch.equal(torch.compile(step, fullgraph=True)(x, state_compiled), step(x, state_copy))
+    assert torch.equal(state_compiled, state_copy)
 
 
 @pytest.mark.parametrize("device", DEVICES)

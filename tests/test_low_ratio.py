@@ -17,6 +17,8 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout
 from sgl_dsv4_kernels import reference as R
 
+from samples import overlapping_rows
+
 torch.set_flush_denormal(False)
 
 HAS_CUDA = torch.cuda.is_available()
@@ -577,13 +579,6 @@ def test_c2_strided_misaligned_rows_match_reference(device, draft_len):
                                specified)
     assert_same(x_buf.view(torch.int32), x_buf0.view(torch.int32), "input buffer (bits)")
     assert bits(latent.cpu()).any()
-
-
-def overlapping_rows(x: torch.Tensor, stride: int) -> torch.Tensor:
-    """x.shape rows taken `stride` elements apart from x's values laid end to end: repeated rows (stride 0) or
-    rows that overlap (stride < width)."""
-    n, width = x.shape
-    return x.reshape(-1)[: (n - 1) * stride + width].as_strided((n, width), (stride, 1))
 
 
 @pytest.mark.parametrize("device", DEVICES)

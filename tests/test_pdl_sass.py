@@ -16,6 +16,10 @@ import pytest
 
 import sgl_dsv4_kernels
 
+# CI (.ci/run) sets DSV4_REQUIRE_CUDA=1: there a module without CUDA code, or without one of the default
+# architectures, fails these checks instead of skipping them.
+REQUIRE_CUDA = os.environ.get("DSV4_REQUIRE_CUDA", "0") == "1"
+
 # Global memory accesses (prefetches, CCTL, are not reads: they return nothing).
 GLOBAL_ACCESS = re.compile(r"^(LDG|STG|LD|ST|ATOM|ATOMG|RED|REDG|LDGSTS|UBLKCP|UTMALDG|UTMASTG|UBLKRED)(\.|$)")
 
@@ -41,7 +45,7 @@ def _kernels():
     module = Path(sgl_dsv4_kernels.__file__).parent / "_C.abi3.so"
     tool = _cuobjdump()
     if tool is None or not module.exists():
-        pytest.skip("needs cuobjdump and the built module")
+        _skip_unless_required("needs cuobjdump and the built module")
     out = subprocess.run([tool, "-sass", str(module)], capture_output=True, text=True).stdout
     kernels, arch = [], None
     for line in out.splitlines():
@@ -52,8 +56,14 @@ def _kernels():
         elif kernels and (m := re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", line)):
             kernels[-1][2].append(re.sub(r"^@!?U?P[T0-9]+\s+", "", m.group(1)))
     if not kernels:
-        pytest.skip("the module has no CUDA code (a CPU-only build)")
+        _skip_unless_required("the module has no CUDA code (a CPU-only build)")
     return kernels
+
+
+def _skip_unless_required(why: str) -> None:
+    if REQUIRE_CUDA:
+        pytest.fail(f"{why}, but DSV4_REQUIRE_CUDA=1")
+    pytest.skip(why)
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +97,11 @@ def test_the_checks_see_the_kernels(kernels):
     assert len(kernels) >= 100
     assert any("c2_rows_kernel" in n for n in names) and any("prefill_plan_fused" in n for n in names)
     assert sum(len(code) for _, _, code in kernels) > 100_000
+
+
+def test_default_architectures_are_built(kernels):
+    """setup.py's default targets, sm_90 and sm_100, both have cubins. Checked where DSV4_REQUIRE_CUDA=1 (CI); a
+    local build may narrow them with DSV4_CUDA_ARCHS."""
+    if not REQUIRE_CUDA:
+        pytest.skip("only under DSV4_REQUIRE_CUDA=1: a local build may narrow DSV4_CUDA_ARCHS")
+    assert {arch for arch, _, _ in kernels} >= {"sm_90", "sm_100"}

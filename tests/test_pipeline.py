@@ -6,6 +6,7 @@ one CUDA graph, and compiled with torch.compile(fullgraph=True), against an eage
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -178,6 +179,50 @@ def test_decode_buffers_keep_their_address(device):
         result = layer.decode()
         assert result.metadata is meta
     assert pointers == [t.data_ptr() for t in buffers]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+def test_two_decode_batches_over_one_layer_equal_one_batch_of_both(device, kind):
+    """`another_decode_batch` shares the caches and nothing else: two half batches decoded one after the
+    other write the same caches and return the same compressor outputs as one layer decoding all rows."""
+    g = default_geometry()
+    pool = RequestPool(g, device=device)
+    rids = [pool.admit() for _ in range(6)]
+    gen = torch.Generator().manual_seed(3)
+    for rid in rids:
+        length = int(torch.randint(300, g.max_tokens, (1,), generator=gen))
+        pool.reserve(rid, length)
+        pool.lengths[rid] = length - 1
+    pool.sync_tables()
+    weights = LayerWeights.random(kind, g.max_tokens, torch.Generator().manual_seed(1))
+    tables = (pool.device_req_to_token, pool.device_full_to_swa)
+    whole = KVLayer(kind, g, weights, tables, decode_batch=6, device=device)
+    first = KVLayer(kind, g, weights, tables, decode_batch=3, device=device)
+    second = first.another_decode_batch()
+    assert second.caches is first.caches and second.decode_inputs is not first.decode_inputs
+    rows = layer_module.LayerRows.random(kind, 6, gen)
+
+    def load(layer, part):
+        step = StepBatch("decode", [rids[i] for i in part], [pool.lengths[rids[i]] for i in part], [1] * len(part))
+        picked = layer_module.LayerRows(*(None if t is None else t[part] for t in (rows.kv, rows.projection,
+                                                                                 rows.index_projection)))
+        layer.load_decode(pool.step_inputs(step).to(device), picked.to(device))
+
+    load(whole, list(range(6)))
+    load(first, [0, 1, 2])
+    load(second, [3, 4, 5])
+    expected = whole.decode_step()
+    halves = [first.decode_step(), second.decode_step()]
+    for i, t in enumerate(expected):
+        if t is not None:
+            assert torch.equal(torch.cat([h[i] for h in halves]), t)
+    for field in dataclasses.fields(layer_module.LayerCaches):
+        mine, theirs = getattr(first.caches, field.name), getattr(whole.caches, field.name)
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), field.name
+    assert first.caches.swa.any(), "the steps wrote nothing"
 
 
 def test_rings_follow_the_verify_width_and_decode_batches_are_checked():

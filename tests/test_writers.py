@@ -1269,10 +1269,10 @@ def test_compress_indexer_caches_need_only_4_byte_alignment(device, use_fp4):
                                   **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
     assert_same_bytes(pool, expected, "4-byte aligned indexer cache")
     assert not torch.equal(expected, before), "rows were written"
-    a = _c_args(d=128, use_fp4=use_fp4)
-    a["kvcache"] = torch.zeros(1, a["kvcache"].shape[1] + 3, dtype=torch.uint8)  # stride(0) odd: one page
+    a = _c_args(device, d=128, use_fp4=use_fp4)
+    a["kvcache"] = torch.zeros(1, a["kvcache"].shape[1] + 3, dtype=torch.uint8, device=device)  # stride(0) odd
     _call_c(a)
-    a["kvcache"] = torch.zeros(0, a["kvcache"].shape[1], dtype=torch.uint8)  # every slot invalid
+    a["kvcache"] = torch.zeros(0, a["kvcache"].shape[1], dtype=torch.uint8, device=device)  # every slot invalid
     _call_c(a)
 
 

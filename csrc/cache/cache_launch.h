@@ -52,7 +52,8 @@ struct DequantParams {
 };
 
 // Rows of the last dim of an arbitrary-rank tensor: row r's offset is the dot product of its
-// multi-index over the leading dims with their strides.
+// multi-index over the leading dims with their strides. The host merges what it can into kMaxDims dims
+// and reads a tensor that still needs more from a contiguous copy (cache_ops.cpp).
 struct LeadingDims {
   static constexpr int kMaxDims = 8;
   int ndim;                    // number of leading dims (rank - 1)

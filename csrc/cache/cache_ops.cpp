@@ -122,42 +122,59 @@ void dequantize_k_cache_paged_out(Tensor cache, Tensor slots, int64_t page_size,
 
 namespace {
 
-// Validates x for a fake-quant op and describes its rows; merges leading dims that are laid out
-// contiguously with each other so the common cases need no per-row division.
+// Describes the rows of x's last dim: unit dims dropped, dims laid out contiguously with each other merged, so
+// the common cases need no per-row division. False when more than LeadingDims::kMaxDims dims remain.
+bool describe_rows(const Tensor& x, LeadingDims& rows) {
+  int nd = 0;
+  for (int64_t dim = 0; dim < x.dim() - 1; ++dim) {
+    const int64_t size = x.size(dim);
+    if (size == 1) continue;  // a unit dim contributes no offset
+    if (nd > 0 && rows.strides[nd - 1] == x.stride(dim) * size) {
+      rows.sizes[nd - 1] *= size;  // merge with the previous (outer) dim
+      rows.strides[nd - 1] = x.stride(dim);
+      continue;
+    }
+    if (nd == LeadingDims::kMaxDims) return false;
+    rows.sizes[nd] = size;
+    rows.strides[nd] = x.stride(dim);
+    ++nd;
+  }
+  rows.ndim = nd;
+  return true;
+}
+
+// Validates x for a fake-quant op; fills the sizes and the element type (the input comes from fake_quant_source,
+// the output from run_fake_quant).
 FakeQuantParams fake_quant_params(const char* op, const Tensor& x, int block_size) {
   const ScalarType d = x.scalar_type();
   DSV4_CHECK(d == ScalarType::BFloat16 || d == ScalarType::Half || d == ScalarType::Float, op,
              "x must be bfloat16, float16 or float32, got ", dtype_name(d));
   const int64_t rank = x.dim();
   DSV4_CHECK(rank >= 1, op, "x must have rank >= 1, got a 0-d tensor");
-  DSV4_CHECK(rank - 1 <= LeadingDims::kMaxDims, op, "x must have rank <= ", LeadingDims::kMaxDims + 1,
-             ", got ", rank);
   const int64_t width = x.size(rank - 1);
   DSV4_CHECK(width <= 1 || x.stride(rank - 1) == 1, op, "x must have stride(-1) == 1, got ",
              x.stride(rank - 1));
   DSV4_CHECK(width % block_size == 0, op, "x.size(-1) = ", width, " must be a multiple of ", block_size);
   FakeQuantParams p{};
-  p.in = x.data_ptr();
   p.type = elem_type_of(x);
   p.width = width;
   p.block_size = block_size;
   p.rows = 1;
-  int nd = 0;
-  for (int64_t dim = 0; dim < rank - 1; ++dim) {
-    const int64_t size = x.size(dim);
-    p.rows *= size;
-    if (size == 1) continue;  // a unit dim contributes no offset
-    if (nd > 0 && p.in_rows.strides[nd - 1] == x.stride(dim) * size) {
-      p.in_rows.sizes[nd - 1] *= size;  // merge with the previous (outer) dim
-      p.in_rows.strides[nd - 1] = x.stride(dim);
-      continue;
-    }
-    p.in_rows.sizes[nd] = size;
-    p.in_rows.strides[nd] = x.stride(dim);
-    ++nd;
-  }
-  p.in_rows.ndim = nd;
+  for (int64_t dim = 0; dim < rank - 1; ++dim) p.rows *= x.size(dim);
   return p;
+}
+
+// The tensor the kernels read: x itself, or, when x's leading dims do not fit the fixed-size LeadingDims of the
+// kernel parameters (the spec bounds neither rank nor leading strides), a contiguous copy of x, whose rows have
+// one stride. Fills p.in and p.in_rows; the caller keeps the result alive until the op has been launched.
+Tensor fake_quant_source(const Tensor& x, FakeQuantParams& p) {
+  Tensor source = x;
+  if (!describe_rows(x, p.in_rows)) {
+    source = torch::stable::contiguous(x);
+    describe_rows(source, p.in_rows);
+  }
+  p.in = source.data_ptr();
+  return source;
 }
 
 // Allocates the result and runs one fake-quant implementation on x's device.
@@ -166,6 +183,7 @@ Tensor run_fake_quant(const char* op, const Tensor& x, FakeQuantParams p, OnCpu&
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   Tensor out = torch::stable::new_empty(x, sizes);
   if (p.rows == 0 || p.width == 0) return out;
+  const Tensor source = fake_quant_source(x, p);
   p.out = out.data_ptr();
   run_on_device(op, x, [&] { on_cpu(p); }, [&](auto stream) { on_cuda(p, stream); });
   return out;

@@ -40,6 +40,10 @@ struct C2PrefillRequests {
   int64_t requests;
 };
 
+// The ring-park launch gives each request one block along grid x, whose limit is 2^31 - 1 blocks; the op rejects
+// more requests before any launch (the rows launch, which writes the cache, comes first).
+constexpr int64_t kMaxC2PrefillRequests = INT32_MAX;
+
 // CPU implementations (low_ratio_cpu.cpp).
 void c1_decode_cpu(KVLayout layout, const LowRatioParams& p);
 void c2_decode_or_verify_cpu(KVLayout layout, const LowRatioParams& p);

@@ -136,6 +136,8 @@ Tensor c2_prefill_norm_rope_store(Tensor kv_input, Tensor kv_state, Tensor norm_
   const C2PrefillRequests q{index_input(extend_starts), index_input(extend_lens), extend_starts.size(0)};
   DSV4_CHECK(extend_lens.size(0) == q.requests, op, "extend_lens must have one entry per request (",
              q.requests, " extend_starts), got ", extend_lens.size(0));
+  DSV4_CHECK(q.requests <= kMaxC2PrefillRequests, op, "extend_starts has ", q.requests, " requests; at most ",
+             kMaxC2PrefillRequests, " are supported (one block of the ring-park launch each)");
 
   Tensor latent = torch::stable::new_empty(kv_input, {p.n, kMainDim}, ScalarType::BFloat16);
   if (p.n == 0) return latent;

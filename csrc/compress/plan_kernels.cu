@@ -517,10 +517,11 @@ __global__ void __launch_bounds__(kScanTile) prefill_scan_kernel(PrefillPlanPara
   }
 }
 
-// Larger batches, second launch: one thread per plan row.
+// Larger batches, second launch: one thread per plan row. It triggers no dependent early: it reads the scratch,
+// which the op frees when it returns, and a later kernel of another library launched under PDL could be handed
+// that memory by the caching allocator and write it before its own wait.
 __global__ void __launch_bounds__(kRowThreads) prefill_emit_kernel(PrefillPlanParams p, const RequestStarts* starts) {
   pdl_wait_dependencies();  // the scan kernel's starts
-  pdl_launch_dependents();
   const int64_t row = int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
   const RequestStarts total = starts[p.batch];
   emit_rows(p, starts, total.start_c, total.start_w, row, 0, 0);

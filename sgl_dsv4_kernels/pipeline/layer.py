@@ -8,6 +8,7 @@ speculative verify (``extend``) run eagerly and may plan on the host.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple, Optional, Tuple
 
@@ -203,12 +204,23 @@ class KVLayer:
                 if self.device.type == "cuda" else 132
         self.num_sms = num_sms
         self.caches = LayerCaches.allocate(kind, geometry, self.ring, self.indexer_format, self.device)
-        # Fixed decode buffers: inputs the caller copy_s into, metadata the step writes.
         self.decode_batch = decode_batch
-        self.decode_inputs = StepInputs(*(torch.zeros(decode_batch, dtype=torch.int64, device=self.device)
+        self._allocate_decode_buffers()
+
+    def _allocate_decode_buffers(self) -> None:
+        """Fixed decode buffers: inputs the caller copy_s into, metadata the step writes."""
+        self.decode_inputs = StepInputs(*(torch.zeros(self.decode_batch, dtype=torch.int64, device=self.device)
                                           for _ in fields(StepInputs)))
-        self.decode_rows = LayerRows.random(kind, decode_batch, torch.Generator().manual_seed(0)).to(self.device)
-        self.decode_meta = self._allocate_metadata(decode_batch, decode_batch, is_decode=True)
+        self.decode_rows = LayerRows.random(self.kind, self.decode_batch,
+                                            torch.Generator().manual_seed(0)).to(self.device)
+        self.decode_meta = self._allocate_metadata(self.decode_batch, self.decode_batch, is_decode=True)
+
+    def another_decode_batch(self) -> "KVLayer":
+        """The same layer (caches, tables, weights) with decode buffers of its own: a second batch of other
+        requests decoding into the same caches, as two overlapped micro-batches of one step do."""
+        other = copy.copy(self)
+        other._allocate_decode_buffers()
+        return other
 
     def _allocate_metadata(self, n: int, num_requests: int, is_decode: bool) -> StepMetadata:
         return StepMetadata.allocate(self.kind, n, num_requests=num_requests, is_decode=is_decode,
