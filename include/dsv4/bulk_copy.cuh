@@ -7,9 +7,11 @@
 
 #include <cstdint>
 
-#include "dsv4/shared_io.cuh"
-
 namespace dsv4 {
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
 // An mbarrier that completes a phase after `count` arrivals and the bytes it was told to expect.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
