@@ -226,7 +226,6 @@ def test_compact_cli(tmp_path):
     assert proc.stdout == bench_run.compact_summary(_rows()) + "\n"
 
 
-
 def test_unknown_family_is_a_usage_error():
     """`--only` with a misspelt family stops before any measuring (it used to end in a KeyError after the copy
     roofline), naming the argument, the unknown name and the choices."""
@@ -238,6 +237,7 @@ def test_unknown_family_is_a_usage_error():
     assert "argument --only: unknown families ['writer']" in proc.stderr
     assert all(family in proc.stderr for family in bench_run.FAMILIES)
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "benchmarks", "results", "*.md"))),
                          ids=os.path.basename)

@@ -168,7 +168,6 @@ def test_selftest_pipeline_cpu():
     _check_pipeline_passes(proc.stdout, "eager")
 
 
-
 def test_selftest_pipeline_cpu_compiled_beside_a_twin():
     """Decode steps compiled on the CPU run beside an eager twin; its comparisons are tallied apart from the
     reference checks (they shared a name, so the GPU's graph mode counted 104 of 52 steps), each once per step."""
