@@ -214,14 +214,19 @@ def test_rows_round_trip_json_and_markdown(tmp_path, monkeypatch):
     assert bench_run.compact_summary(back) == bench_run.compact_summary(rows)
 
 
+def _runner(*args):
+    """`python -m benchmarks.run ARGS` from the repository root with no GPU visible; the finished process."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "benchmarks.run", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_compact_cli(tmp_path):
     """What scripts/gpu_check.sh runs: `python -m benchmarks.run --compact ROWS.json` prints the table, no GPU."""
     path = tmp_path / "bench_rows.json"
     bench_run.save_rows(_rows(), str(path))
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--compact", str(path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = _runner("--compact", str(path))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == bench_run.compact_summary(_rows()) + "\n"
 
@@ -229,10 +234,7 @@ def test_compact_cli(tmp_path):
 def test_unknown_family_is_a_usage_error():
     """`--only` with a misspelt family stops before any measuring (it used to end in a KeyError after the copy
     roofline), naming the argument, the unknown name and the choices."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--only", "writers,writer"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = _runner("--only", "writers,writer")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "argument --only: unknown families ['writer']" in proc.stderr
     assert all(family in proc.stderr for family in bench_run.FAMILIES)
