@@ -1,6 +1,6 @@
 """Mutation fuzzing of every torch.ops.dsv4 op: valid calls recorded from a serving session and from KV I/O calls,
-then each argument changed alone (dtype, shape, strides, alignment, hostile index values, NaN / inf, extreme
-scalars). Every case must return or raise an error that names the op, and an op's fake must agree with it on
+then each argument changed alone (dtype, device, shape, strides, alignment, hostile index values, NaN / inf,
+extreme scalars). Every case must return or raise an error that names the op, and an op's fake must agree with it on
 every case whose change is metadata only. Used by tests/test_fuzz_ops.py and scripts/asan_check.sh; as a script
 (`python tests/fuzz_ops.py --device cuda --sanitizer`) it runs the cases in subprocesses, under compute-sanitizer
 memcheck when asked, so that a crash or a memory error is pinned on its case.
@@ -190,6 +190,8 @@ def _with_column(x):
 def tensor_mutations(x: torch.Tensor) -> List[Tuple[str, bool, Callable]]:
     """(description, metadata only, make) for one tensor argument."""
     out = [(f"dtype {dt}", True, lambda dt=dt: x.to(dt)) for dt in DTYPES if dt != x.dtype]
+    if x.is_cuda:
+        out.append(("on the CPU", True, lambda: x.cpu()))
     if x.dim() == 0:
         out.append(("as 1-D", True, lambda: x.reshape(1)))
     else:
