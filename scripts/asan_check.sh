@@ -12,9 +12,12 @@ scratch="$repo/.asan-build"
 rm -rf "$scratch" && mkdir -p "$scratch"
 (cd "$repo" && git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$scratch")
 cd "$scratch"
+# A CPU-only module: neither its build nor tests/test_pdl_sass.py may require CUDA code here (.ci/run sets
+# DSV4_REQUIRE_CUDA=1 for its own build, under which those tests fail a module without it).
+export DSV4_CPU_ONLY=1 DSV4_REQUIRE_CUDA=0
 sanitizers="-fsanitize=address,undefined"
-DSV4_CPU_ONLY=1 DSV4_REQUIRE_CUDA=0 LDFLAGS="$sanitizers" \
-  CFLAGS="$sanitizers -fno-sanitize-recover=undefined -fno-omit-frame-pointer" "$py" setup.py -q build_ext --inplace
+LDFLAGS="$sanitizers" CFLAGS="$sanitizers -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
+  "$py" setup.py -q build_ext --inplace
 # Python itself is not instrumented, so the runtimes must come first; torch's own allocations are not checked for
 # leaks (detect_leaks) or for new/free pairing across its libraries (alloc_dealloc_mismatch).
 export LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libubsan.so)"
