@@ -27,6 +27,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import sgl_dsv4_kernels as dk  # noqa: E402
+from sanitizer import find_sanitizer  # noqa: E402  (tests/ is on sys.path: beside this file, or pytest's rootdir)
 
 INT_VALUES = [-1, -2, -(2**31), 2**31 - 1, 2**31, 2**40, 2**62, -(2**63), 1000, 1000000]
 SCALAR_INTS = [0, -1, 1, 2, 3, 5, 63, 2**31, 2**62, -(2**63)]
@@ -34,6 +35,8 @@ SCALAR_FLOATS = [math.nan, math.inf, -1.0, 0.0, 1e30]
 # Scalars the ops check against tensor values (which a fake cannot see): a change to one is not metadata only.
 VALUE_CHECKED_SCALARS = {"plan_compress_prefill.default": {"num_q_tokens"}}
 DATA_DEPENDENT_OUTPUTS = {"plan_compress_prefill.default"}
+# The first line of each error compute-sanitizer memcheck reports.
+MEMCHECK_ERROR = re.compile(r"=+ (Invalid|Misaligned|Program hit|Out-of-range|Malloc|Address)")
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8, torch.bool]
 
 
@@ -324,8 +327,8 @@ def run_case(case: Case, check_fake: bool = True) -> Tuple[str, str]:
     fn = op_of(call.op)
     try:
         result = fn(*call.args, **call.kwargs)
-        if any(isinstance(a, torch.Tensor) and a.is_cuda for a in call.args):
-            torch.cuda.synchronize()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # a kernel's fault surfaces here, on its own case
         outcome, real = "returned", _outputs(result)
     except Exception as e:  # noqa: BLE001 (every exception is classified)
         if not _names_op(call.op, e):
@@ -376,10 +379,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--bases", str(args.bases),
                "--worker", str(start)]
         if args.sanitizer:
-            cmd.append("--sanitizer")
-            from sanitizer import find_sanitizer
-
             cmd = [find_sanitizer() or "compute-sanitizer", "--tool", "memcheck", "--print-limit", "5"] + cmd
+            cmd.append("--sanitizer")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         current = None
         for line in proc.stdout.splitlines():
@@ -389,7 +390,7 @@ def main(argv=None) -> int:
                 index, outcome, detail = line[5:].split("\t", 2)
                 if results.get(int(index), ("",))[0] != "memory error":
                     results[int(index)] = (outcome, detail)
-            elif current is not None and re.match(r"=+ (Invalid|Program hit|Out-of-range|Malloc|Address)", line):
+            elif current is not None and MEMCHECK_ERROR.match(line):
                 results[current] = ("memory error", line.strip("= ")[:300])
         if proc.returncode == 0 or current is None:
             break
