@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CPP_SOURCES = [
     "csrc/registration.cpp",
     "csrc/common/op_checks.cpp",
+    "csrc/common/overlap_checks.cpp",
     "csrc/cache/layout_ops.cpp",
     "csrc/cache/cache_ops.cpp",
     "csrc/cache/store_cpu.cpp",

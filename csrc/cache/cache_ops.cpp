@@ -10,6 +10,7 @@
 #include "tensor_args.h"
 #include "../common/cuda_context.h"
 #include "../common/op_checks.h"
+#include "../common/overlap_checks.h"
 
 namespace dsv4 {
 
@@ -50,6 +51,8 @@ void fused_store_cache(Tensor input, Tensor cache, Tensor indices, int64_t page_
     DSV4_CHECK(f.is_contiguous(), op, "freqs_cis must be contiguous");
     p.freqs = static_cast<const float*>(f.data_ptr());
   }
+  check_written_disjoint(op, {arg("cache", cache)},
+                         {arg("input", input), arg("indices", indices), arg("freqs_cis", freqs_cis)});
   if (n == 0) return;
   p.input = row_input(input);
   p.slots = index_input(indices);
@@ -117,6 +120,7 @@ void dequantize_k_cache_paged_out(Tensor cache, Tensor slots, int64_t page_size,
   constexpr const char* op = "dequantize_k_cache_paged";
   const DequantArgs args = check_dequant_args(op, cache, slots, page_size, layout);
   check_dequant_out(op, out, slots.size(0), cache);
+  check_written_disjoint(op, {arg("out", out)}, {arg("cache", cache), arg("slots", slots)});
   run_dequantize(op, args, cache, slots, out);
 }
 

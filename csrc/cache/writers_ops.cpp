@@ -7,6 +7,7 @@
 #include "writers_launch.h"
 #include "../common/cuda_context.h"
 #include "../common/op_checks.h"
+#include "../common/overlap_checks.h"
 
 namespace dsv4 {
 
@@ -27,6 +28,9 @@ void fused_k_norm_rope_flashmla(Tensor kv, Tensor weight, double eps, Tensor fre
              positions.size(0));
   DSV4_CHECK(out_loc.size(0) == n, op, "out_loc must have ", n, " entries (one per kv row), got ",
              out_loc.size(0));
+  check_written_disjoint(op, {arg("kvcache", kvcache)},
+                         {arg("kv", kv), arg("weight", weight), arg("freqs", freqs), arg("positions", positions),
+                          arg("out_loc", out_loc)});
   if (n == 0) return;
   p.kv = row_input(kv);
   p.weight = weight.data_ptr();
@@ -75,6 +79,9 @@ void compress_norm_rope_store(Tensor kv, Tensor plan, Tensor norm_weight, double
     DSV4_CHECK(out_loc.size(0) == n, op, "out_loc must have ", n,
                " entries (one per plan row) when is_decode=True, got ", out_loc.size(0));
   }
+  check_written_disjoint(op, {arg("kvcache", kvcache)},
+                         {arg("kv", kv), arg("plan", plan), arg("norm_weight", norm_weight), arg("freqs", freqs),
+                          arg("out_loc", out_loc)});
   if (n == 0) return;
   p.kv = row_input(kv);
   p.weight = norm_weight.data_ptr();

@@ -8,6 +8,7 @@
 #include "forward_launch.h"
 #include "../common/cuda_context.h"
 #include "../common/op_checks.h"
+#include "../common/overlap_checks.h"
 
 namespace dsv4 {
 
@@ -77,6 +78,9 @@ Tensor compress_forward(Tensor state, Tensor kv_score_input, Tensor ape, Tensor 
     DSV4_CHECK(plan_w.has_value(), op, "plan_w is required when is_decode=False");
     check_plan_rows(op, "plan_w", *plan_w, kWritePlanRowBytes, state);
   }
+  check_written_disjoint(op, {arg("state", state)},
+                         {arg("kv_score_input", kv_score_input), arg("ape", ape), arg("plan", plan),
+                          arg("plan_w", plan_w)});
 
   Tensor out = torch::stable::new_empty(kv_score_input, {plan_rows, head_dim});
   ForwardParams p{};

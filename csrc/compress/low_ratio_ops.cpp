@@ -8,6 +8,7 @@
 #include "../cache/tensor_args.h"
 #include "../common/cuda_context.h"
 #include "../common/op_checks.h"
+#include "../common/overlap_checks.h"
 
 namespace dsv4 {
 
@@ -46,6 +47,9 @@ Tensor c1_decode_norm_rope_store(Tensor kv_input, Tensor norm_weight, Tensor pos
   const int64_t n = kv_input.size(0);
   check_rows_input(op, "positions", positions, n);
   check_rows_input(op, "out_loc", out_loc, n);
+  check_written_disjoint(op, {arg("k_cache", k_cache)},
+                         {arg("kv_input", kv_input), arg("norm_weight", norm_weight), arg("positions", positions),
+                          arg("out_loc", out_loc), arg("freqs_cis", freqs_cis)});
 
   Tensor latent = torch::stable::new_empty(kv_input, {n, kMainDim}, ScalarType::BFloat16);
   if (n == 0) return latent;
@@ -112,6 +116,10 @@ Tensor c2_decode_or_verify_norm_rope_store(Tensor kv_input, Tensor kv_state, Ten
     DSV4_CHECK(p.n % draft_len == 0, op, "kv_input rows (", p.n, ") must be a multiple of draft_len=", draft_len,
                " in verify mode (request-major blocks)");
   }
+  check_written_disjoint(op, {arg("kv_state", kv_state), arg("k_cache", k_cache)},
+                         {arg("kv_input", kv_input), arg("norm_weight", norm_weight), arg("positions", positions),
+                          arg("req_pool_indices", req_pool_indices), arg("raw_out_loc", raw_out_loc),
+                          arg("freqs_cis", freqs_cis)});
 
   Tensor latent = torch::stable::new_empty(kv_input, {p.n, kMainDim}, ScalarType::BFloat16);
   if (p.n == 0) return latent;
@@ -138,6 +146,11 @@ Tensor c2_prefill_norm_rope_store(Tensor kv_input, Tensor kv_state, Tensor norm_
              q.requests, " extend_starts), got ", extend_lens.size(0));
   DSV4_CHECK(q.requests <= kMaxC2PrefillRequests, op, "extend_starts has ", q.requests, " requests; at most ",
              kMaxC2PrefillRequests, " are supported (one block of the ring-park launch each)");
+  check_written_disjoint(op, {arg("kv_state", kv_state), arg("k_cache", k_cache)},
+                         {arg("kv_input", kv_input), arg("norm_weight", norm_weight), arg("positions", positions),
+                          arg("req_pool_indices", req_pool_indices), arg("raw_out_loc", raw_out_loc),
+                          arg("freqs_cis", freqs_cis), arg("extend_starts", extend_starts),
+                          arg("extend_lens", extend_lens)});
 
   Tensor latent = torch::stable::new_empty(kv_input, {p.n, kMainDim}, ScalarType::BFloat16);
   if (p.n == 0) return latent;

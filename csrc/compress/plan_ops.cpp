@@ -9,6 +9,7 @@
 #include "plan_launch.h"
 #include "../common/cuda_context.h"
 #include "../common/op_checks.h"
+#include "../common/overlap_checks.h"
 
 namespace dsv4 {
 
@@ -224,6 +225,9 @@ void plan_compress_decode_out(Tensor req_pool_indices, Tensor seq_lens, std::opt
   const DecodePlanParams p = check_decode(op, req_pool_indices, seq_lens, req_to_token, full_to_swa,
                                           compress_ratio, swa_page_size, ring_size, use_req_ring);
   check_plan_buffer(op, "plan_d", plan_d, p.batch, kPlanRowBytes, req_pool_indices);
+  check_written_disjoint(op, {arg("plan_d", plan_d)},
+                         {arg("req_pool_indices", req_pool_indices), arg("seq_lens", seq_lens),
+                          arg("req_to_token", req_to_token), arg("full_to_swa", full_to_swa)});
   run_decode(op, p, req_pool_indices, plan_d);
 }
 
@@ -296,6 +300,10 @@ void plan_compress_prefill_out(Tensor req_pool_indices, Tensor seq_lens, Tensor 
                                        num_q_tokens, compress_ratio, swa_page_size, ring_size, use_req_ring, false);
   check_plan_buffer(op, "plan_c", plan_c, num_q_tokens, kPlanRowBytes, req_pool_indices);
   check_plan_buffer(op, "plan_w", plan_w, num_q_tokens, kWritePlanRowBytes, req_pool_indices);
+  check_written_disjoint(op, {arg("plan_c", plan_c), arg("plan_w", plan_w)},
+                         {arg("req_pool_indices", req_pool_indices), arg("seq_lens", seq_lens),
+                          arg("extend_lens", extend_lens), arg("req_to_token", req_to_token),
+                          arg("full_to_swa", full_to_swa)});
   if (s.path == PrefillPath::Cpu) {
     run_prefill_cpu(s.params, plan_c, plan_w);
     return;

@@ -10,6 +10,7 @@
 #include "metadata_launch.h"
 #include "../common/cuda_context.h"
 #include "../common/op_checks.h"
+#include "../common/overlap_checks.h"
 
 namespace dsv4 {
 
@@ -134,6 +135,11 @@ void build_page_table_positions_small_out(Tensor req_to_token, Tensor req_pool_i
   p.page_table =
       out_buffer<int32_t>(op, "page_table", page_table, req_to_token, ScalarType::Int, {p.rows, p.pages});
   p.swa_lengths = out_buffer<int32_t>(op, "swa_lengths", swa_lengths, req_to_token, ScalarType::Int, {p.rows});
+  check_written_disjoint(op,
+                         {arg("seq_lens_out", seq_lens_out), arg("positions", positions),
+                          arg("page_table", page_table), arg("swa_lengths", swa_lengths)},
+                         {arg("req_to_token", req_to_token), arg("req_pool_indices", req_pool_indices),
+                          arg("seq_lens", seq_lens)});
   if (p.rows > 0) DSV4_RUN(op, req_to_token, p, build_page_table_positions);
 }
 
@@ -194,6 +200,12 @@ void build_low_ratio_metadata_out(Tensor seq_lens, Tensor out_loc, int64_t topk,
   p.sparse_lens[1] = out_buffer<int32_t>(op, "c2_sparse_lens", c2_sparse_lens, seq_lens, ScalarType::Int, {rows});
   p.page_indices[1] = out_buffer<int32_t>(op, "c2_page_indices", c2_page_indices, seq_lens, ScalarType::Int,
                                           {rows, p.padded});
+  check_written_disjoint(op,
+                         {arg("c1_out_loc", c1_out_loc), arg("c1_seq_lens", c1_seq_lens),
+                          arg("c1_sparse_lens", c1_sparse_lens), arg("c1_page_indices", c1_page_indices),
+                          arg("c2_out_loc", c2_out_loc), arg("c2_seq_lens", c2_seq_lens),
+                          arg("c2_sparse_lens", c2_sparse_lens), arg("c2_page_indices", c2_page_indices)},
+                         {arg("seq_lens", seq_lens), arg("out_loc", out_loc)});
   if (p.rows > 0) DSV4_RUN(op, seq_lens, p, build_low_ratio_metadata);
 }
 
@@ -222,6 +234,8 @@ void fill_all_compressed_indices(Tensor page_table, Tensor compressed_seq_lens, 
     p.raw_indices = out_buffer<int32_t>(op, "raw_indices", *raw_indices, page_table, ScalarType::Int,
                                         {p.rows, p.width});
   }
+  check_written_disjoint(op, {arg("page_indices", page_indices), arg("raw_indices", raw_indices)},
+                         {arg("page_table", page_table), arg("compressed_seq_lens", compressed_seq_lens)});
   if (p.rows > 0 && p.width > 0) DSV4_RUN(op, page_table, p, fill_all_compressed_indices);
 }
 
@@ -323,6 +337,12 @@ void init_compression_metadata_out(Tensor seq_lens, Tensor positions, Tensor raw
     }
   }
   out_buffer<int32_t>(op, names[8], t[8], seq_lens, ScalarType::Int, {p.bs, p.width});
+  check_written_disjoint(
+      op,
+      {arg(names[0], t[0]), arg(names[1], t[1]), arg(names[2], t[2]), arg(names[3], t[3]), arg(names[4], t[4]),
+       arg(names[5], t[5]), arg(names[6], t[6]), arg(names[7], t[7]), arg(names[8], t[8])},
+      {arg("seq_lens", seq_lens), arg("positions", positions), arg("raw_out_loc", raw_out_loc),
+       arg("page_table", page_table)});
   set_compression_outputs(p, t);
   if (p.bs > 0) DSV4_RUN(op, seq_lens, p, init_compression_metadata);
 }
@@ -393,6 +413,7 @@ void get_paged_mqa_logits_metadata_out(Tensor context_lens, int64_t block_kv, Te
   check_num_sms(op, "out.size(0) - 1 (num_sms)", out.size(0) - 1);
   p.num_sms = int(out.size(0) - 1);
   p.out = out_buffer<int32_t>(op, "out", out, context_lens, ScalarType::Int, {out.size(0), 2});
+  check_written_disjoint(op, {arg("out", out)}, {arg("context_lens", context_lens)});
   run_schedule(op, context_lens, p);
 }
 
