@@ -487,6 +487,7 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, k
 
 _PAIR_ROW_WIDTH = 2 * _MAIN_DIM  # c2 projection and state rows: kv then score
 _MAX_C2_PREFILL_REQUESTS = 2**31 - 1  # one block each along grid x of the ring-park launch (low_ratio_launch.h)
+_MAX_LOW_RATIO_ROWS = 2**31 - 1  # one block per kv row along grid x of the rows launches (low_ratio_launch.h)
 
 
 def _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, freqs_cis):
@@ -495,6 +496,11 @@ def _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, fr
     check_norm_weight(op, "norm_weight", norm_weight, _MAIN_DIM, k_cache)
     check_eps(op, "eps", eps)
     check_rope_table(op, "freqs_cis", freqs_cis, k_cache)
+
+
+def _check_row_count(op, kv_input):
+    torch._check(kv_input.size(0) <= _MAX_LOW_RATIO_ROWS,
+                 _msg(op, f"kv_input has {kv_input.size(0)} rows; at most {_MAX_LOW_RATIO_ROWS} are supported"))
 
 
 def _check_per_row(op, name, t, kv_input):
@@ -508,6 +514,7 @@ def _c1_decode_norm_rope_store(kv_input, norm_weight, positions, out_loc, eps, f
     _check_low_ratio_common(op, k_cache, page_size, layout, norm_weight, eps, freqs_cis)
     torch._check(kv_input.dtype == torch.bfloat16, _msg(op, f"kv_input must be bfloat16, got {kv_input.dtype}"))
     check_activation(op, "kv_input", kv_input, _MAIN_DIM, k_cache)
+    _check_row_count(op, kv_input)
     check_index_vector(op, "positions", positions, k_cache)
     check_index_vector(op, "out_loc", out_loc, k_cache)
     _check_per_row(op, "positions", positions, kv_input)
@@ -518,6 +525,7 @@ def _c1_decode_norm_rope_store(kv_input, norm_weight, positions, out_loc, eps, f
 def _check_c2_rows(op, kv_input, kv_state, positions, req_pool_indices, raw_out_loc, k_cache, ring_size):
     torch._check(kv_input.dtype == torch.float32, _msg(op, f"kv_input must be float32, got {kv_input.dtype}"))
     check_activation(op, "kv_input", kv_input, _PAIR_ROW_WIDTH, k_cache)
+    _check_row_count(op, kv_input)
     torch._check(kv_state.dtype == torch.float32, _msg(op, f"kv_state must be float32, got {kv_state.dtype}"))
     check_activation(op, "kv_state", kv_state, _PAIR_ROW_WIDTH, k_cache)
     torch._check(kv_state.size(0) <= 1 or kv_state.stride(0) >= _PAIR_ROW_WIDTH,

@@ -80,8 +80,9 @@ def c1_decode_norm_rope_store(
     """Ratio-1 compressor step: ``latent = bf16(RMSNorm(kv_input) * norm_weight)`` (fp32 statistics), stored
     into ``k_cache`` at slot ``out_loc[i]`` after RoPE at ``positions[i]``; returns the latent.
 
-    ``kv_input`` bf16 ``[N, 512]`` (any row stride); ``norm_weight`` ``[512]``; ``freqs_cis`` the fp32
-    ``[max_pos, 64]`` table or complex64 ``[max_pos, 32]``; ``positions`` and ``out_loc`` int32/int64 ``[N]``.
+    ``kv_input`` bf16 ``[N, 512]`` (any row stride; ``N <= 2**31 - 1``, one block per row); ``norm_weight``
+    ``[512]``; ``freqs_cis`` the fp32 ``[max_pos, 64]`` table or complex64 ``[max_pos, 32]``; ``positions`` and
+    ``out_loc`` int32/int64 ``[N]``.
     ``out_loc <= 0`` marks a padded row (slot 0 is the reserved dummy): its latent is returned but nothing is
     stored; slots past the cache and positions outside the table are not stored either.
     """
@@ -110,8 +111,8 @@ def c2_decode_or_verify_norm_rope_store(
 ) -> torch.Tensor:
     """Ratio-2 compressor step (decode, or verify with ``draft_len > 0``); returns the bf16 latent ``[N, 512]``.
 
-    ``kv_input`` fp32 ``[N, 1024]`` = (kv, score) projection rows; ``kv_state`` fp32 ``[owners * ring_size
-    (+ pad rows), 1024]`` the pair-state ring, updated in place. An even position parks its row at
+    ``kv_input`` fp32 ``[N, 1024]`` = (kv, score) projection rows (``N <= 2**31 - 1``); ``kv_state`` fp32
+    ``[owners * ring_size (+ pad rows), 1024]`` the pair-state ring, updated in place. An even position parks its row at
     ``req * ring_size + p % ring_size`` and returns a zero latent row. An odd position pools with its partner
     (closed-form 2-way softmax), returns ``bf16(RMSNorm(bf16(pooled)))`` and stores it at slot
     ``raw_out_loc >> 1`` rotated at ``p - 1``. ``raw_out_loc`` is the raw full-KV slot; ``<= 0`` marks a padded

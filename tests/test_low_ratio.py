@@ -258,6 +258,49 @@ def test_c1_empty_batch_and_fresh_output(device):
     assert empty.shape == (0, 512) and empty.dtype == torch.bfloat16
 
 
+MAX_ROWS = 2**31 - 1  # grid x of the c1 / c2 rows launches: one block per kv row
+LOW_RATIO_OPS = ["c1_decode_norm_rope_store", "c2_decode_or_verify_norm_rope_store", "c2_prefill_norm_rope_store"]
+
+
+def _args_with_rows_past_the_grid(op: str, device: str, tmp_path) -> list:
+    """op's arguments with MAX_ROWS + 1 kv rows: a broadcast kv_input and, on the CPU, index vectors of virtual
+    memory (8 GiB each) that the op must never touch."""
+    from test_cache_ops import _huge_cpu_tensor
+
+    rows = MAX_ROWS + 1
+
+    def row_vector(name):
+        if device == "meta":
+            return torch.empty(rows, dtype=torch.int32, device="meta")
+        (tmp_path / name).mkdir()
+        return _huge_cpu_tensor(4 * rows, tmp_path / name).view(torch.int32)
+
+    weight = torch.ones(512, dtype=torch.bfloat16, device=device)
+    table = torch.zeros(8, 64, device=device)
+    cache = torch.zeros(2, KVLayout.V4.page_bytes(64), dtype=torch.uint8, device=device)
+    if op == "c1_decode_norm_rope_store":
+        kv = torch.zeros(1, 512, dtype=torch.bfloat16, device=device).expand(rows, 512)
+        return [kv, weight, row_vector("positions"), row_vector("out_loc"), EPS, table, cache, 64, 0]
+    kv = torch.zeros(1, 1024, device=device).expand(rows, 1024)
+    state = torch.zeros(8, 1024, device=device)
+    head = [kv, state, weight, row_vector("positions"), row_vector("req_pool_indices"), row_vector("raw_out_loc"),
+            EPS, table, cache]
+    if op == "c2_decode_or_verify_norm_rope_store":
+        return head + [64, 8, 0, 0]
+    one = torch.zeros(1, dtype=torch.int32, device=device)
+    return head + [one, one, 64, 8, 0]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("op", LOW_RATIO_OPS)
+def test_row_count_bounded_by_the_rows_grid(op, device, tmp_path):
+    """2^31 kv rows would overflow the rows launch's grid x (one block per row): the host check and the fake reject
+    them before anything is allocated or runs, naming the op and kv_input."""
+    args = _args_with_rows_past_the_grid(op, device, tmp_path)
+    with pytest.raises(RuntimeError, match=rf"dsv4\.{op}: kv_input has 2147483648 rows; at most 2147483647"):
+        getattr(torch.ops.dsv4, op)(*args)
+
+
 def test_c1_accepts_complex_freqs_cis():
     case = c1_case(KVLayout.V4, 64, torch.int32, "cpu", 5, n=9)
     cache2 = case["cache"].clone()

@@ -44,6 +44,10 @@ struct C2PrefillRequests {
 // more requests before any launch (the rows launch, which writes the cache, comes first).
 constexpr int64_t kMaxC2PrefillRequests = INT32_MAX;
 
+// The rows launches (c1, c2) give each kv row one block along grid x: at most 2^31 - 1 rows, checked on the host
+// (a broadcast kv_input of more rows costs no memory, and its index vectors fit a large GPU).
+constexpr int64_t kMaxLowRatioRows = INT32_MAX;
+
 // CPU implementations (low_ratio_cpu.cpp).
 void c1_decode_cpu(KVLayout layout, const LowRatioParams& p);
 void c2_decode_or_verify_cpu(KVLayout layout, const LowRatioParams& p);

@@ -28,6 +28,11 @@ void check_common(const char* op, LowRatioParams& p, const Tensor& k_cache, int6
   p.max_pos = freqs_cis.size(0);
 }
 
+void check_row_count(const char* op, const Tensor& kv_input) {
+  DSV4_CHECK(kv_input.size(0) <= kMaxLowRatioRows, op, "kv_input has ", kv_input.size(0), " rows; at most ",
+             kMaxLowRatioRows, " are supported (one block of the rows launch each)");
+}
+
 void check_rows_input(const char* op, const char* name, const Tensor& t, int64_t n) {
   DSV4_CHECK(t.size(0) == n, op, name, " must have ", n, " entries (one per kv_input row), got ", t.size(0));
 }
@@ -42,6 +47,7 @@ Tensor c1_decode_norm_rope_store(Tensor kv_input, Tensor norm_weight, Tensor pos
   check_common(op, p, k_cache, page_size, layout, norm_weight, eps, freqs_cis);
   check_dtype(op, "kv_input", kv_input, ScalarType::BFloat16);
   check_activation(op, "kv_input", kv_input, kMainDim, k_cache);
+  check_row_count(op, kv_input);
   check_index_vector(op, "positions", positions, k_cache);
   check_index_vector(op, "out_loc", out_loc, k_cache);
   const int64_t n = kv_input.size(0);
@@ -73,6 +79,7 @@ void check_c2_rows(const char* op, LowRatioParams& p, const Tensor& kv_input, co
                    const Tensor& k_cache, int64_t ring_size, int64_t draft_len) {
   check_dtype(op, "kv_input", kv_input, ScalarType::Float);
   check_activation(op, "kv_input", kv_input, kPairRowWidth, k_cache);
+  check_row_count(op, kv_input);
   check_dtype(op, "kv_state", kv_state, ScalarType::Float);
   check_activation(op, "kv_state", kv_state, kPairRowWidth, k_cache);
   DSV4_CHECK(kv_state.size(0) <= 1 || kv_state.stride(0) >= kPairRowWidth, op, "kv_state row stride ",
