@@ -3,9 +3,9 @@
 #include "overlap_checks.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <utility>
-#include <vector>
 
 #include "op_checks.h"
 
@@ -27,33 +27,38 @@ int64_t floor_div(int64_t a, int64_t b) {  // b > 0
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
-// nullopt when the bytes are not equally spaced runs.
-std::optional<ByteRuns> byte_runs(const Tensor& t) {
+constexpr size_t kMaxDims = 16;  // more dimensions that move through memory: not checked
+
+// nullopt when the bytes are not equally spaced runs; no runs for an absent or empty tensor.
+std::optional<ByteRuns> byte_runs(const Tensor* t) {
   ByteRuns runs;
-  if (t.numel() == 0) return runs;
-  const int64_t element = static_cast<int64_t>(t.element_size());
+  if (t == nullptr || t->numel() == 0) return runs;
+  const int64_t element = static_cast<int64_t>(t->element_size());
+  const auto sizes = t->sizes();
+  const auto strides = t->strides();
   // (size, byte stride) of every dimension that moves through memory, innermost first.
-  std::vector<std::pair<int64_t, int64_t>> dims;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) == 1 || t.stride(d) == 0) continue;  // a broadcast dimension repeats the same bytes
-    if (t.stride(d) < 0) return std::nullopt;
-    dims.emplace_back(t.size(d), t.stride(d) * element);
+  std::array<std::pair<int64_t, int64_t>, kMaxDims> dims;
+  size_t count = 0;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 1 || strides[d] == 0) continue;  // a broadcast dimension repeats the same bytes
+    if (strides[d] < 0 || count == kMaxDims) return std::nullopt;
+    dims[count++] = {sizes[d], strides[d] * element};
   }
-  std::sort(dims.begin(), dims.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  std::sort(dims.begin(), dims.begin() + count, [](const auto& a, const auto& b) { return a.second < b.second; });
   // Copies of a dense run shifted by at most its width form one longer dense run.
   int64_t width = element;
   size_t next = 0;
-  for (; next < dims.size() && dims[next].second <= width; ++next)
+  for (; next < count && dims[next].second <= width; ++next)
     width += (dims[next].first - 1) * dims[next].second;
-  runs.begin = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()));
+  runs.begin = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t->data_ptr()));
   runs.width = width;
   runs.rows = 1;
   runs.stride = width;
-  if (next == dims.size()) return runs;
+  if (next == count) return runs;
   runs.rows = dims[next].first;
   runs.stride = dims[next].second;
   // Further dimensions that continue the same spacing ([a, b] with stride(0) == b * stride(1)) add rows.
-  for (++next; next < dims.size(); ++next) {
+  for (++next; next < count; ++next) {
     if (dims[next].second != runs.rows * runs.stride) return std::nullopt;
     runs.rows *= dims[next].first;
   }
@@ -85,29 +90,33 @@ bool overlap(const ByteRuns& a, const ByteRuns& b) {
   // Different spacings: walk the runs of the wider-spaced tensor that lie inside the other's span.
   const ByteRuns& walked = a.stride > b.stride ? a : b;
   const ByteRuns& other = a.stride > b.stride ? b : a;
-  for (int64_t r = first_run_ending_after(walked, other.begin); r < walked.rows && walked.begin + r * walked.stride < other.end(); ++r) {
+  for (int64_t r = first_run_ending_after(walked, other.begin);
+       r < walked.rows && walked.begin + r * walked.stride < other.end(); ++r) {
     const int64_t lo = walked.begin + r * walked.stride;
     if (touches(other, lo, lo + walked.width)) return true;
   }
   return false;
 }
 
-void check_pair(const char* op, const TensorArg& written, const TensorArg& other) {
-  if (written.tensor == nullptr || other.tensor == nullptr) return;
-  const auto w = byte_runs(*written.tensor);
-  const auto o = byte_runs(*other.tensor);
-  if (!w || !o) return;
-  DSV4_CHECK(!overlap(*w, *o), op, written.name, " shares memory with ", other.name, " (the op writes ",
-             written.name, ", so no other argument may alias it)");
-}
-
 }  // namespace
 
 void check_written_disjoint(const char* op, std::initializer_list<TensorArg> written,
                             std::initializer_list<TensorArg> read) {
-  for (auto w = written.begin(); w != written.end(); ++w) {
-    for (auto other = w + 1; other != written.end(); ++other) check_pair(op, *w, *other);
-    for (const TensorArg& other : read) check_pair(op, *w, other);
+  // Written arguments first, then the read ones; each described once.
+  constexpr size_t kMaxArgs = 16;
+  DSV4_CHECK(written.size() + read.size() <= kMaxArgs, op, "internal error: too many arguments to check for overlap");
+  std::array<const TensorArg*, kMaxArgs> args;
+  std::array<std::optional<ByteRuns>, kMaxArgs> runs;
+  size_t count = 0;
+  for (const TensorArg& a : written) args[count++] = &a;
+  for (const TensorArg& a : read) args[count++] = &a;
+  for (size_t i = 0; i < count; ++i) runs[i] = byte_runs(args[i]->tensor);
+  for (size_t w = 0; w < written.size(); ++w) {
+    for (size_t other = w + 1; other < count; ++other) {
+      if (!runs[w] || !runs[other]) continue;  // not equally spaced runs: not checked
+      DSV4_CHECK(!overlap(*runs[w], *runs[other]), op, args[w]->name, " shares memory with ", args[other]->name,
+                 " (the op writes ", args[w]->name, ", so no other argument may alias it)");
+    }
   }
 }
 

@@ -24,7 +24,8 @@ inline TensorArg arg(const char* name, const std::optional<torch::stable::Tensor
 // Every tensor in `written` is disjoint from every other tensor of `written` and from every tensor of `read`;
 // tensors of `read` may overlap one another. Call it after the per-argument checks (same device, shapes).
 // Exact for every layout whose bytes are equally spaced runs (all dense and row-strided tensors); a layout that
-// is not (three or more spaced dimensions that do not collapse) is not checked rather than rejected.
+// is not (spaced dimensions that do not collapse into one, or more than 16 dimensions that move through memory)
+// is not checked rather than rejected. At most 16 arguments in all.
 void check_written_disjoint(const char* op, std::initializer_list<TensorArg> written,
                             std::initializer_list<TensorArg> read);
 
