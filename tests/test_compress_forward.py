@@ -366,6 +366,49 @@ def test_c128_hand_built_prefill_rows_read_only_their_slots(device, padding_rows
         torch.testing.assert_close(out[k].double().cpu(), truth, atol=2e-5, rtol=2e-5, msg=f"plan row {k}")
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_nan_scores_pool_to_nan_as_in_the_reference(device, ratio):
+    """NaN inputs are not valid, yet their outputs follow the reference's softmax on every path (prefill, then
+    decode from the ring): a channel is NaN exactly when a live slot of its window has a NaN score. That covers
+    a window whose live slots are all NaN and c4's first window, whose overlap half is padding (both once gave
+    0: a max that skips NaN took them for all-padding windows)."""
+    D, ring, blocks = 512, (16 if ratio == 4 else 256), 4
+    e = Engine(ratio, D, ring, paged=False, num_requests=1, device=device, seed=("nan", ratio))
+    L = blocks * ratio
+    x = e.rows(L + ratio)  # the prefill's rows, then the decode rows of one more block
+    scores = [2 * D, 3 * D] if ratio == 4 else [D]  # the score columns (c4: the overlap's, then the current's)
+    nan = float("nan")
+    x[0:ratio, [c + 0 for c in scores]] = nan  # channel 0, block 0 (c4: window 0 is pad + NaN)
+    x[ratio:3 * ratio, [c + 1 for c in scores]] = nan  # channel 1, blocks 1 and 2 (c4: window 2 all NaN)
+    x[2 * ratio + 1, scores[-1] + 2] = nan  # channel 2: one NaN slot of window 2
+    x[L - ratio:, [c + 3 for c in scores]] = nan  # channel 3: the decoded window all NaN
+    x[L + 1, scores[-1] + 4] = nan  # channel 4: one NaN slot of the decoded window
+    state_ref = e.state.cpu().clone()
+    ape = e.ape.to(device)
+    r2t, f2s = e.tables()
+    one = torch.tensor([1])
+    plan = dsv4.plan_compress_prefill(one.to(device), torch.tensor([L], device=device),
+                                      torch.tensor([L], device=device), num_q_tokens=L, **e.plan_kwargs())
+    calls = [(plan, x[:L], False)]
+    for p in range(L, L + ratio):
+        calls.append((dsv4.plan_compress_decode(one.to(device), torch.tensor([p + 1], device=device), r2t, f2s,
+                                                **e.plan_kwargs()), x[p:p + 1], True))
+    nan_channels = set()
+    for plan, rows, is_decode in calls:
+        out = dsv4.compress_forward(e.state, rows.to(device), ape, plan, head_dim=D)
+        plan_w = None if is_decode else plan.plan_w.cpu()
+        out_ref = ref.compress_forward(state_ref, rows, e.ape, plan.plan.cpu(), plan_w, D, ratio, is_decode)
+        torch.testing.assert_close(out.cpu(), out_ref, atol=2e-5, rtol=2e-5, equal_nan=True)
+        assert torch.equal(_bits(e.state), _bits(state_ref))
+        nan_channels |= set(out_ref.isnan().nonzero()[:, 1].tolist())
+    assert nan_channels == {0, 1, 2, 3, 4}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_plans_and_dim0_slice_state(device):
     e = Engine(4, 128, 8, paged=False, device=device)

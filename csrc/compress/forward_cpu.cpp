@@ -53,20 +53,19 @@ void pool_window(const ForwardParams& p, const PoolWindow& w, float* out) {
         score[k] = load_value(rows[k].base, rows[k].bf16, score_column(p.ratio, k, D) + d) + p.ape[k * D + d];
         value[k] = load_value(rows[k].base, rows[k].bf16, value_column(p.ratio, k, D) + d);
       }
-      m = score[k] > m ? score[k] : m;
+      m = score[k] > m ? score[k] : m;  // skips NaN, as the kernels' fmaxf
     }
-    if (m == neg_inf) {  // only when every slot is padding: memory-safe, result unspecified
-      out[d] = 0.0f;
-      continue;
-    }
+    // With no finite max (every slot padding or -inf) the exponents are taken against 0: the sum stays 0 and the
+    // channel is 0, as in the reference, while a NaN score still makes it NaN (as the reference's max would).
+    const float shift = m == neg_inf ? 0.0f : m;
     float sum = 0.0f, acc = 0.0f;
     for (int k = 0; k < window; ++k) {
-      const float e = std::exp(score[k] - m);
+      const float e = std::exp(score[k] - shift);
       sum += e;
       const float weighted = value[k] * e;
       acc += weighted;
     }
-    out[d] = acc / sum;
+    out[d] = sum == 0.0f ? 0.0f : acc / sum;
   }
 }
 

@@ -152,8 +152,8 @@ __device__ __forceinline__ SlotLoads<InBf16, StBf16> issue_slot(const ForwardPar
   return l;
 }
 
-// (m, Σ exp(s − m), Σ v·exp(s − m)) over N slots of one channel, m the slots' max; l = a = 0 if all are
-// pad (s = −inf, v = 0). A max pass, then a sum pass: no data-dependent branch per slot.
+// (m, Σ exp(s − m), Σ v·exp(s − m)) over N slots of one channel, m the slots' max; l = 0 if all are pad
+// (s = −inf). A max pass, then a sum pass: no data-dependent branch per slot.
 struct SoftmaxPartial {
   float m, l, a;
 };
@@ -164,10 +164,12 @@ __device__ __forceinline__ SoftmaxPartial softmax_partial(const float* s, const 
 #pragma unroll
   for (int k = 1; k < N; ++k) m = fmaxf(m, s[k]);  // one instruction; a compare and select agree but on NaN
   SoftmaxPartial r{m, 0.f, 0.f};
-  if (m == __int_as_float(0xFF800000)) return r;
+  // With no finite max the exponents are taken against 0: pads add exp(−inf) = 0, so l stays 0, while a NaN
+  // score among them (fmaxf skips it) still makes l NaN, as the reference's softmax does.
+  const float shift = m == __int_as_float(0xFF800000) ? 0.f : m;
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    const float e = expf(s[k] - m);
+    const float e = expf(s[k] - shift);
     r.l += e;
     r.a += v[k] * e;
   }
@@ -331,13 +333,14 @@ __device__ float4 pool_c128(const float (&s)[4][C128Layout<kChunk>::kSlots],
   for (int j = 0; j < 4; ++j) {
     sum[j] = 0.f;
     weighted[j] = 0.f;
-    if (m[j] != __int_as_float(0xFF800000)) {  // else every slot is pad (s = −inf, v = 0): contributes 0
+    // With no finite max (every slot pad, s = −inf) the exponents are taken against 0, so the sum stays 0, while
+    // a NaN score the max skipped still makes it NaN, as the reference's softmax does.
+    const float shift = m[j] == __int_as_float(0xFF800000) ? 0.f : m[j];
 #pragma unroll
-      for (int i = 0; i < kSlots; ++i) {
-        const float e = expf(s[j][i] - m[j]);
-        sum[j] += e;
-        weighted[j] += v[j][i] * e;
-      }
+    for (int i = 0; i < kSlots; ++i) {
+      const float e = expf(s[j][i] - shift);
+      sum[j] += e;
+      weighted[j] += v[j][i] * e;
     }
 #pragma unroll
     for (int d = kQuads; d < 32; d <<= 1) {
@@ -363,11 +366,11 @@ __device__ float4 pool_c128(const float (&s)[4][C128Layout<kChunk>::kSlots],
       total[0] += lk.x; total[1] += lk.y; total[2] += lk.z; total[3] += lk.w;
       pooled[0] += ak.x; pooled[1] += ak.y; pooled[2] += ak.z; pooled[3] += ak.w;
     }
-    // total >= 1 (the max slot's term) unless every slot is pad.
-    out.x = total[0] > 0.f ? pooled[0] / total[0] : 0.f;
-    out.y = total[1] > 0.f ? pooled[1] / total[1] : 0.f;
-    out.z = total[2] > 0.f ? pooled[2] / total[2] : 0.f;
-    out.w = total[3] > 0.f ? pooled[3] / total[3] : 0.f;
+    // total >= 1 (the max slot's term) unless every slot is pad (0) or a score is NaN (NaN, kept).
+    out.x = total[0] == 0.f ? 0.f : pooled[0] / total[0];
+    out.y = total[1] == 0.f ? 0.f : pooled[1] / total[1];
+    out.z = total[2] == 0.f ? 0.f : pooled[2] / total[2];
+    out.w = total[3] == 0.f ? 0.f : pooled[3] / total[3];
   }
   return out;
 }
@@ -829,7 +832,8 @@ __global__ void __launch_bounds__(kC128PrefillWarps * 32, kSplits == 1 ? 8 : 1) 
   if (live && split == 0 && slot_lane == 0) {
     float out[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) out[j] = r.l[j] > 0.f ? r.a[j] / r.l[j] : 0.f;  // l >= 1 unless every slot is pad
+    // l >= 1 unless every slot is pad (0) or a score is NaN (NaN, kept).
+    for (int j = 0; j < 4; ++j) out[j] = r.l[j] == 0.f ? 0.f : r.a[j] / r.l[j];
     store4<InBf16, Vec>(p.out, k * kMainDim + c, make_float4(out[0], out[1], out[2], out[3]));
   }
 }
