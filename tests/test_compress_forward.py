@@ -13,7 +13,7 @@ import torch
 import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import reference as ref
 
-from compress_cases import CUDA_MARKS, DEVICES, HAS_CUDA, Engine, capacity, gen, width_of
+from compress_cases import DEVICES, HAS_CUDA, Engine, capacity, gen, width_of
 from samples import overlapping_rows, run_with_pdl_off_and_on
 
 

@@ -10,7 +10,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import compress as C
 from sgl_dsv4_kernels import reference as ref
 
-from compress_cases import CUDA_MARKS, DEVICES, HAS_CUDA, Engine, capacity, gen, width_of
+from compress_cases import CUDA_MARKS, DEVICES, Engine, capacity, gen
 
 INVALID = 0xFFFFFFFF
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
 import textwrap
 import zlib

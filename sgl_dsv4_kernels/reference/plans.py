@@ -4,7 +4,7 @@ int64 columns for tests. Slow by design; never imports the extension.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
