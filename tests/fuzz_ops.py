@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -362,11 +363,18 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bases", type=int, default=3, help="recorded calls mutated per op")
     parser.add_argument("--sanitizer", action="store_true", help="run the cases under compute-sanitizer memcheck")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds: start no case after this, and report the cases that ran")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    deadline = args.deadline if args.deadline is not None else (
+        time.time() + args.time_limit if args.time_limit is not None else None)
     cases = fuzz_cases(record_calls(args.device), args.bases)
     if args.worker is not None:  # one subprocess: cases from --worker on, a line per case
         for index in range(args.worker, len(cases)):
+            if deadline is not None and time.time() > deadline:
+                return 0
             print(f"CASE {index}", flush=True)
             outcome, detail = run_case(cases[index], check_fake=not args.sanitizer)  # the fakes: see the plain run
             print(f"DONE {index}\t{outcome}\t{detail}", flush=True)
@@ -378,6 +386,8 @@ def main(argv=None) -> int:
     while start < len(cases):
         cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--bases", str(args.bases),
                "--worker", str(start)]
+        if deadline is not None:
+            cmd += ["--deadline", str(deadline)]
         if args.sanitizer:
             cmd = [find_sanitizer() or "compute-sanitizer", "--tool", "memcheck", "--print-limit", "5"] + cmd
             cmd.append("--sanitizer")
@@ -397,16 +407,18 @@ def main(argv=None) -> int:
         if current not in results:
             results[current] = ("crashed", (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300])
         start = current + 1
-    return report(cases, results)
+    return report(cases, results, timed_out=deadline is not None and time.time() > deadline)
 
 
-def report(cases: List[Case], results: Dict[int, Tuple[str, str]]) -> int:
+def report(cases: List[Case], results: Dict[int, Tuple[str, str]], timed_out: bool = False) -> int:
+    """A table per op, a FAIL line per failed case, then a summary line. Cases a time limit left out count as
+    "not run", a failure unless the limit was reached."""
     counts: Dict[str, Counter] = {}
     bad = []
     for index, case in enumerate(cases):
         outcome, detail = results.get(index, ("not run", ""))
         counts.setdefault(case.op, Counter())[outcome] += 1
-        if outcome not in ("returned", "rejected", "skipped"):
+        if outcome not in ("returned", "rejected", "skipped") and not (timed_out and outcome == "not run"):
             bad.append(f"{case.op} [{case.description}]: {outcome}: {detail}")
     columns = ["returned", "rejected", "skipped", "unclear", "fake disagrees", "memory error", "crashed", "not run"]
     print(f"{'op':45s} " + " ".join(f"{c:>9s}" for c in ("cases",) + tuple(c.split()[0] for c in columns)))
@@ -414,7 +426,9 @@ def report(cases: List[Case], results: Dict[int, Tuple[str, str]]) -> int:
         print(f"{op:45s} {sum(c.values()):9d} " + " ".join(f"{c[k]:9d}" for k in columns))
     for line in bad:
         print("FAIL", line)
-    print(f"fuzz: {len(cases)} cases, {len(bad)} failed")
+    not_run = sum(c["not run"] for c in counts.values())
+    limit = f", {not_run} not run (time limit)" if timed_out else ""
+    print(f"fuzz: {len(cases)} cases, {len(bad)} failed{limit}")
     return 1 if bad else 0
 
 

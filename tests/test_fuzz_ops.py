@@ -68,3 +68,12 @@ def test_hostile_arguments_cuda_memcheck():
         pytest.skip("compute-sanitizer not found")
     proc = _fuzz_subprocess("--bases", "1", "--sanitizer")
     assert proc.returncode == 0 and ", 0 failed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def test_a_time_limit_reports_the_cases_that_ran(capsys):
+    # The device runs bound the fuzz in time: past the limit no case starts, and the report counts the rest as
+    # not run without failing (a limit of 0 s runs none).
+    assert fuzz_ops.main(["--device", "cpu", "--bases", "1", "--time-limit", "0"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    total = int(last.split()[1])
+    assert total > 1000 and last.endswith(f"0 failed, {total} not run (time limit)")
