@@ -396,7 +396,8 @@ def compress_forward(
     the raw projection rows ``[N, W]`` (last dim contiguous, any row stride: repeated or overlapping rows are
     only read), ``ape`` the kernel bias of ``ape_for_kernel``. ``plan`` is a
     ``CompressPlan`` or the raw plan tensor with explicit ``compress_ratio`` and ``is_decode``
-    (and ``plan_w`` for prefill).
+    (and ``plan_w`` for prefill). A window of pad slots only gives 0; a NaN score in a live slot gives NaN in its
+    channel (as the reference's softmax), never 0. Nothing may alias ``state`` (the op rejects it).
     """
     if isinstance(plan, CompressPlan):
         for name, given, own in (("compress_ratio", compress_ratio, plan.compress_ratio),
