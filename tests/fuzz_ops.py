@@ -262,10 +262,7 @@ def fuzz_cases(calls: List[Call], bases_per_op: int = 3) -> List[Case]:
     for name in sorted(by_op):
         size = lambda c: sum(a.numel() for a in list(c.args) + list(c.kwargs.values()) if isinstance(a, torch.Tensor))
         for b, base in enumerate(sorted(by_op[name], key=size)[:bases_per_op]):
-            schema = op_of(name)._schema.arguments
-            places = ([(i, schema[i].name, a) for i, a in enumerate(base.args)] +
-                      [(k, k, v) for k, v in base.kwargs.items()])
-            for where, arg_name, value in places:
+            for where, arg_name, value in arg_places(base):
                 if isinstance(value, torch.Tensor):
                     mutations = tensor_mutations(value)
                 elif value is None:
@@ -279,19 +276,26 @@ def fuzz_cases(calls: List[Call], bases_per_op: int = 3) -> List[Case]:
     return cases
 
 
+def arg_places(call: Call) -> List[Tuple[object, str, object]]:
+    """(index or keyword, schema name, value) of every argument of the call."""
+    schema = op_of(call.op)._schema.arguments
+    return [(i, schema[i].name, a) for i, a in enumerate(call.args)] + [(k, k, v) for k, v in call.kwargs.items()]
+
+
+def replaced(call: Call, values: Dict[object, object]) -> Call:
+    """The call with its other tensors cloned and the arguments at the given places (index or keyword) replaced."""
+    args = [values[i] if i in values else _clone(a) for i, a in enumerate(call.args)]
+    kwargs = {k: values[k] if k in values else _clone(v) for k, v in call.kwargs.items()}
+    return Call(call.op, tuple(args), kwargs)
+
+
 def _mutated_call(base: Call, where, make_value) -> Callable[[], Optional[Call]]:
     def make():
         try:
             value = make_value()
         except (RuntimeError, IndexError, ValueError):
             return None
-        args = [_clone(a) for a in base.args]
-        kwargs = {k: _clone(v) for k, v in base.kwargs.items()}
-        if isinstance(where, int):
-            args[where] = value
-        else:
-            kwargs[where] = value
-        return Call(base.op, tuple(args), kwargs)
+        return replaced(base, {where: value})
     return make
 
 

@@ -28,12 +28,10 @@ def _written_names(op: str) -> List[str]:
     return [a.name for a in fuzz_ops.op_of(op)._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
-def _tensor_places(call: fuzz_ops.Call) -> Dict[str, object]:
-    """Argument name -> positional index or keyword, for the call's non-empty tensors."""
-    schema = fuzz_ops.op_of(call.op)._schema.arguments
-    places = {schema[i].name: i for i, a in enumerate(call.args) if isinstance(a, torch.Tensor) and a.numel()}
-    places.update({k: k for k, v in call.kwargs.items() if isinstance(v, torch.Tensor) and v.numel()})
-    return places
+def _tensors(call: fuzz_ops.Call) -> Dict[str, tuple]:
+    """Argument name -> (index or keyword, value), for the call's non-empty tensors."""
+    return {name: (where, value) for where, name, value in fuzz_ops.arg_places(call)
+            if isinstance(value, torch.Tensor) and value.numel()}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -47,10 +45,8 @@ def _in_buffer(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.T
 
 
 def _placed_call(call: fuzz_ops.Call, written: str, other: str, placement: str) -> fuzz_ops.Call:
-    places = _tensor_places(call)
-    args, kwargs = list(call.args), dict(call.kwargs)
-    get = lambda name: args[places[name]] if isinstance(places[name], int) else kwargs[places[name]]
-    w, o = get(written), get(other)
+    tensors = _tensors(call)
+    (w_at, w), (o_at, o) = tensors[written], tensors[other]
     bw, bo = _nbytes(w), _nbytes(o)
     offsets = {  # (written's offset, other's offset)
         "same start": (0, 0),
@@ -60,13 +56,8 @@ def _placed_call(call: fuzz_ops.Call, written: str, other: str, placement: str) 
     }[placement]
     buffer = torch.zeros(max(offsets[0] + bw, offsets[1] + bo), dtype=torch.uint8, device=w.device)
     # The other argument is copied last: an input keeps its values where the two share bytes.
-    placed = {written: _in_buffer(buffer, offsets[0], w), other: _in_buffer(buffer, offsets[1], o)}
-    for name, value in placed.items():
-        if isinstance(places[name], int):
-            args[places[name]] = value
-        else:
-            kwargs[places[name]] = value
-    return fuzz_ops.Call(call.op, tuple(args), kwargs)
+    placed_written = _in_buffer(buffer, offsets[0], w)
+    return fuzz_ops.replaced(call, {w_at: placed_written, o_at: _in_buffer(buffer, offsets[1], o)})
 
 
 def _alias_cases(calls: List[fuzz_ops.Call]):
@@ -77,11 +68,10 @@ def _alias_cases(calls: List[fuzz_ops.Call]):
                                              if isinstance(a, torch.Tensor))):
         smallest.setdefault(c.op, c)
     for op, call in sorted(smallest.items()):
-        places = _tensor_places(call)
-        get = lambda name: call.args[places[name]] if isinstance(places[name], int) else call.kwargs[places[name]]
-        for written in (n for n in _written_names(op) if n in places):
-            for other in places:
-                if other != written and get(other).device == get(written).device:
+        tensors = _tensors(call)
+        for written in (n for n in _written_names(op) if n in tensors):
+            for other, (_, value) in tensors.items():
+                if other != written and value.device == tensors[written][1].device:
                     yield call, written, other
 
 
