@@ -149,12 +149,12 @@ __device__ __forceinline__ void round_lane_to_bf16(float* v) {
 
 // Normalizes, rotates and quantizes one main row (this lane's input values x and weights w; cs = its
 // RoPE table pair) into `slot` (CompactSlots: the cache is compact). V4 quantizes the nope dims of y
-// (rounded to bf16 first on the compress path) and stores the rotated fp32 tail as bf16; V41 / V41_FP4
-// round y to bf16, rotate the bf16 tail, round again and quantize all 512 values (§1.6), on packed bf16
-// words from the first rounding.
+// (rounded to bf16 first on the compress path) and stores the rotated fp32 tail as bf16, a pair per lane;
+// V41 / V41_FP4 round y to bf16, rotate the bf16 tail, round again and quantize all 512 values (§1.6), on
+// packed bf16 words from the first rounding.
 template <KVLayout L, RowSource S, bool CompactSlots = false>
 __device__ __forceinline__ void norm_rope_quantize_row(const NormRopeParams& p, const float* x, const float* w,
-                                                       float2 cs, int64_t slot, int lane, float2* tail) {
+                                                       float2 cs, int64_t slot, int lane, uint32_t tail_at) {
   // The row pointers are formed where they are used: formed before the arithmetic, they held four more
   // registers across it (under the one-row kernel's 48-register bound) and the compress writer ran 5-20 %
   // slower.
@@ -165,14 +165,14 @@ __device__ __forceinline__ void norm_rope_quantize_row(const NormRopeParams& p, 
   warp_rms_norm<kLaneDims>(x, w, p.eps, y);
   if constexpr (L == KVLayout::V4) {
     if (S != RowSource::KWriter && lane < kRopeFirstLane) round_lane_to_bf16(y);
-    rotate_tail_across_warp(y, cs, lane, tail);
     const PagedCache::RowPointers target = rows();
+    rotate_tail_to_bf16_across_warp(y, cs, lane, tail_at, target.data + kV4NopeDim);
     // Both kernels' rows leave their warps whole, so the tile-amax shuffles name the whole warp (WholeWarp).
-    quantize_main_lane<L, false, kLaneDims, true>(y, lane, target.data, target.scale);
+    quantize_main_lane<L, false, kLaneDims, true, true>(y, lane, target.data, target.scale);
   } else {
     uint32_t words[kLaneWords];
     pack_lane_bf16(y, words);
-    rotate_packed_tail_across_warp(words, cs, lane, reinterpret_cast<uint32_t*>(tail));
+    rotate_packed_tail_across_warp(words, cs, lane, tail_at);
     quantize_packed_lane<L>(words, lane, rows());
   }
 }
@@ -180,10 +180,10 @@ __device__ __forceinline__ void norm_rope_quantize_row(const NormRopeParams& p, 
 template <KVLayout L, bool KvFp32, RowSource S>
 __device__ __forceinline__ void write_main_row(const NormRopeParams& p, const RawElements<kLaneDims, KvFp32>& raw,
                                                const float* w, float2 cs, const RowTarget& t, int lane,
-                                               float2* tail) {
+                                               uint32_t tail_at) {
   float x[kLaneDims];
   widen_raw<kLaneDims, KvFp32>(raw, x);
-  norm_rope_quantize_row<L, S>(p, x, w, cs, t.slot, lane, tail);
+  norm_rope_quantize_row<L, S>(p, x, w, cs, t.slot, lane, tail_at);
 }
 
 // K writer (S == KWriter) and compress main writer, one row per warp. The bound of 10 blocks per SM
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel
   }
   pdl_launch_dependents();
   if constexpr (!loads_table_in_resolve(S)) load_table(t.position);
-  write_main_row<L, KvFp32, S>(p, row, w, cs, t, lane, tails[threadIdx.x >> 5]);
+  write_main_row<L, KvFp32, S>(p, row, w, cs, t, lane, shared_address(tails[threadIdx.x >> 5]));
 }
 
 // ---- K writer at large N: rows prefetched by bulk copies ----
@@ -256,6 +256,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
   const uint32_t rows_at = shared_address(rows[warp][0]);
   const uint32_t arrived_at = shared_address(&arrived[warp][0]);
   const uint32_t released_at = shared_address(&released[warp][0]);
+  const uint32_t tail_at = opaque_shared_address(tails[warp]);
   // Lane 0 copies the warp's rows in order, each into the next stage (round robin).
   const int64_t source_stride = p.kv.row_stride * (KvFp32 ? 4 : 2);
   const char* next_source = static_cast<const char*>(p.kv.data) + first * source_stride;
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
     if (slot < 0) continue;  // warp-uniform
     float x[kLaneDims];
     widen_raw<kLaneDims, KvFp32>(raw, x);
-    norm_rope_quantize_row<L, RowSource::KWriter, true>(p, x, w, cs, slot, lane, tails[warp]);
+    norm_rope_quantize_row<L, RowSource::KWriter, true>(p, x, w, cs, slot, lane, tail_at);
   }
   pdl_launch_dependents();  // after the warp's last global read
 }

@@ -7,11 +7,9 @@
 
 #include <cstdint>
 
-namespace dsv4 {
+#include "dsv4/shared_io.cuh"
 
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+namespace dsv4 {
 
 // An mbarrier that completes a phase after `count` arrivals and the bytes it was told to expect.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {

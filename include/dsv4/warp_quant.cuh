@@ -78,7 +78,8 @@ __device__ __forceinline__ void store_e4m3_lane(const float* x, uint8_t scale_by
 // Bf16Values: every x is bf16-representable, which lets V41_FP4 encode pairs (e2m1_pairs.cuh); same bytes.
 // WholeWarp: every lane of the warp makes this call, so the tile-amax shuffles name the whole warp (a constant
 // mask spares the convergence check that the compiler puts before shuffles with a computed mask).
-template <KVLayout L, bool Bf16Values, int LaneDims = kLaneDims, bool WholeWarp = false>
+// V4TailStored: the caller has stored V4's RoPE dims (rotate_tail_to_bf16_across_warp); their lanes store nothing.
+template <KVLayout L, bool Bf16Values, int LaneDims = kLaneDims, bool WholeWarp = false, bool V4TailStored = false>
 __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint8_t* data, uint8_t* scale) {
   constexpr int kTile = LayoutTraits<L>::kTile;
   static_assert(LaneDims % 4 == 0 && kTile % LaneDims == 0, "a lane holds whole words of one tile");
@@ -88,10 +89,12 @@ __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint
   const float amax = WholeWarp ? warp_max_xor(lane_amax, kLanesPerTile, 0xFFFFFFFFu)
                                : warp_max_xor(lane_amax, kLanesPerTile);
   if (L == KVLayout::V4 && sub >= kV4NopeDim / LaneDims) {
-    uint32_t w[LaneDims / 2];
+    if constexpr (!V4TailStored) {
+      uint32_t w[LaneDims / 2];
 #pragma unroll
-    for (int k = 0; k < LaneDims / 2; ++k) w[k] = pack_bf16x2(x[2 * k], x[2 * k + 1]);
-    store_words<2 * LaneDims>(data + kV4NopeDim + 2 * LaneDims * (sub - kV4NopeDim / LaneDims), w);
+      for (int k = 0; k < LaneDims / 2; ++k) w[k] = pack_bf16x2(x[2 * k], x[2 * k + 1]);
+      store_words<2 * LaneDims>(data + kV4NopeDim + 2 * LaneDims * (sub - kV4NopeDim / LaneDims), w);
+    }
     return;
   }
   uint8_t scale_byte;
