@@ -41,6 +41,15 @@ __device__ __forceinline__ float4 neg_inf4() {
   return make_float4(n, n, n, n);
 }
 
+// The softmax's exponents are taken against the channel's max m, or against 0 when m is -inf (every slot so far
+// pad): pads then add exp(-inf) = 0, never NaN, while a NaN score (which fmaxf skips) still makes the sums NaN, as
+// the reference's softmax does.
+__device__ __forceinline__ float exp_shift(float m) { return m == __int_as_float(0xFF800000) ? 0.f : m; }
+
+// The pooled value a / l of a channel's softmax sums: l >= 1 (the max slot's term) unless every slot is pad
+// (l = 0: the channel is 0) or a score is NaN (NaN, kept).
+__device__ __forceinline__ float pooled_value(float a, float l) { return l == 0.f ? 0.f : a / l; }
+
 __device__ __forceinline__ float4 add4(float4 a, float4 b) {
   return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
@@ -164,9 +173,7 @@ __device__ __forceinline__ SoftmaxPartial softmax_partial(const float* s, const 
 #pragma unroll
   for (int k = 1; k < N; ++k) m = fmaxf(m, s[k]);  // one instruction; a compare and select agree but on NaN
   SoftmaxPartial r{m, 0.f, 0.f};
-  // With no finite max the exponents are taken against 0: pads add exp(−inf) = 0, so l stays 0, while a NaN
-  // score among them (fmaxf skips it) still makes l NaN, as the reference's softmax does.
-  const float shift = m == __int_as_float(0xFF800000) ? 0.f : m;
+  const float shift = exp_shift(m);
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     const float e = expf(s[k] - shift);
@@ -180,7 +187,7 @@ __device__ __forceinline__ SoftmaxPartial softmax_partial(const float* s, const 
 template <int N>
 __device__ __forceinline__ float softmax_pool(const float* s, const float* v) {
   const SoftmaxPartial r = softmax_partial<N>(s, v);
-  return r.l == 0.f ? 0.f : r.a / r.l;
+  return pooled_value(r.a, r.l);
 }
 
 // softmax_pool of four channels over N slots given as float4 (channel j in component j).
@@ -333,9 +340,7 @@ __device__ float4 pool_c128(const float (&s)[4][C128Layout<kChunk>::kSlots],
   for (int j = 0; j < 4; ++j) {
     sum[j] = 0.f;
     weighted[j] = 0.f;
-    // With no finite max (every slot pad, s = −inf) the exponents are taken against 0, so the sum stays 0, while
-    // a NaN score the max skipped still makes it NaN, as the reference's softmax does.
-    const float shift = m[j] == __int_as_float(0xFF800000) ? 0.f : m[j];
+    const float shift = exp_shift(m[j]);
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       const float e = expf(s[j][i] - shift);
@@ -366,11 +371,10 @@ __device__ float4 pool_c128(const float (&s)[4][C128Layout<kChunk>::kSlots],
       total[0] += lk.x; total[1] += lk.y; total[2] += lk.z; total[3] += lk.w;
       pooled[0] += ak.x; pooled[1] += ak.y; pooled[2] += ak.z; pooled[3] += ak.w;
     }
-    // total >= 1 (the max slot's term) unless every slot is pad (0) or a score is NaN (NaN, kept).
-    out.x = total[0] == 0.f ? 0.f : pooled[0] / total[0];
-    out.y = total[1] == 0.f ? 0.f : pooled[1] / total[1];
-    out.z = total[2] == 0.f ? 0.f : pooled[2] / total[2];
-    out.w = total[3] == 0.f ? 0.f : pooled[3] / total[3];
+    out.x = pooled_value(pooled[0], total[0]);
+    out.y = pooled_value(pooled[1], total[1]);
+    out.z = pooled_value(pooled[2], total[2]);
+    out.w = pooled_value(pooled[3], total[3]);
   }
   return out;
 }
@@ -679,8 +683,7 @@ __device__ __forceinline__ float channel(const float4& x, int j) {
 }
 
 // Folds the scores (ape added) and values of a group of kSlots slots into r (per channel: the new max M,
-// r rescaled by exp(m − M), then the group's terms). M = −inf (every slot so far pad) is replaced by 0 in
-// the exponents, so that exp(−inf − M) is 0, never NaN.
+// r rescaled by exp(m − M), then the group's terms), with exponents against exp_shift(M).
 template <int kSlots>
 __device__ __forceinline__ void fold_group(RunningSoftmax4& r, const float4 (&s)[kSlots], const float4 (&v)[kSlots]) {
 #pragma unroll
@@ -688,7 +691,7 @@ __device__ __forceinline__ void fold_group(RunningSoftmax4& r, const float4 (&s)
     float m = r.m[j];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) m = fmaxf(m, channel(s[i], j));  // one instruction (max_of: two)
-    const float shift = m == __int_as_float(0xFF800000) ? 0.f : m;
+    const float shift = exp_shift(m);
     const float rescale = expf(r.m[j] - shift);
     float l = r.l[j] * rescale, a = r.a[j] * rescale;
 #pragma unroll
@@ -751,7 +754,7 @@ __device__ __forceinline__ void merge_slot_lanes(RunningSoftmax4& r) {
     float m = r.m[j];
     m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 8));
     m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
-    const float rescale = expf(r.m[j] - (m == __int_as_float(0xFF800000) ? 0.f : m));
+    const float rescale = expf(r.m[j] - exp_shift(m));
     float l = r.l[j] * rescale, a = r.a[j] * rescale;
     l += __shfl_xor_sync(0xFFFFFFFFu, l, 8);
     a += __shfl_xor_sync(0xFFFFFFFFu, a, 8);
@@ -832,8 +835,7 @@ __global__ void __launch_bounds__(kC128PrefillWarps * 32, kSplits == 1 ? 8 : 1) 
   if (live && split == 0 && slot_lane == 0) {
     float out[4];
 #pragma unroll
-    // l >= 1 unless every slot is pad (0) or a score is NaN (NaN, kept).
-    for (int j = 0; j < 4; ++j) out[j] = r.l[j] == 0.f ? 0.f : r.a[j] / r.l[j];
+    for (int j = 0; j < 4; ++j) out[j] = pooled_value(r.a[j], r.l[j]);
     store4<InBf16, Vec>(p.out, k * kMainDim + c, make_float4(out[0], out[1], out[2], out[3]));
   }
 }
