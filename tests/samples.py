@@ -507,3 +507,19 @@ def write_row_bytes(fmt: Fmt, cache: torch.Tensor, page_size: int, slot: int, da
     if scale is not None:
         t = torch.as_tensor(scale, dtype=torch.uint8).to(cache.device)
         flat[s: s + t.numel()] = t
+
+
+def huge_cpu_tensor(nbytes, tmp_dir):
+    """nbytes of CPU memory of which only the touched pages become resident: an ordinary allocation
+    (virtual memory), or else a shared mapping of a sparse file (not counted by strict overcommit)."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except (RuntimeError, MemoryError):
+        pass
+    path = tmp_dir / "huge_cache.bin"
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    try:
+        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    except (RuntimeError, MemoryError, OSError) as e:
+        pytest.skip(f"cannot map a {nbytes / 2**30:.1f} GiB cache here: {e}")

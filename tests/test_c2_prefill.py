@@ -17,7 +17,7 @@ from sgl_dsv4_kernels import reference as R
 from test_low_ratio import (DEVICES, EPS, INDEX_DTYPES, LAYOUTS, C2Setup, _assert_no_pool_copy, _generated_code,
                             assert_bits_equal, assert_rejects, assert_same, bits, replay_against_eager,
                             check_c2_against_reference, cuda_only, gen, idx, misaligned, pair_rows)
-from test_cache_ops import _huge_cpu_tensor
+from samples import huge_cpu_tensor
 
 
 class Chunk:
@@ -221,7 +221,7 @@ def _empty_rows_with_requests(requests: int, device: str, tmp_path):
         if device == "meta":
             a[k] = torch.empty(requests, dtype=torch.int32, device="meta")
         else:
-            a[k] = _huge_cpu_tensor(4 * requests, tmp_path / k).view(torch.int32)
+            a[k] = huge_cpu_tensor(4 * requests, tmp_path / k).view(torch.int32)
     if device == "meta":
         a = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in a.items()}
     return a

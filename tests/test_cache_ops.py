@@ -38,6 +38,7 @@ from samples import (
     flat_bytes,
     fmt_id,
     generator,
+    huge_cpu_tensor,
     invalid_slots,
     make_cache,
     make_rows,
@@ -147,27 +148,11 @@ def _large_case(fmt):
     return p, num_pages, (num_pages - 1) * p + p - 3
 
 
-def _huge_cpu_tensor(nbytes, tmp_dir):
-    """nbytes of CPU memory of which only the touched pages become resident: an ordinary allocation
-    (virtual memory), or else a shared mapping of a sparse file (not counted by strict overcommit)."""
-    try:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    except (RuntimeError, MemoryError):
-        pass
-    path = tmp_dir / "huge_cache.bin"
-    with open(path, "wb") as f:
-        f.truncate(nbytes)
-    try:
-        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-    except (RuntimeError, MemoryError, OSError) as e:
-        pytest.skip(f"cannot map a {nbytes / 2**30:.1f} GiB cache here: {e}")
-
-
 def _large_offset(device, fmt, slot_dtype, ref, tmp_dir=None):
     p, num_pages, slot = _large_case(fmt)
     pb = fmt.page_bytes(p)
     if device == "cpu":
-        cache = _huge_cpu_tensor(num_pages * pb, tmp_dir).view(num_pages, pb)
+        cache = huge_cpu_tensor(num_pages * pb, tmp_dir).view(num_pages, pb)
     else:
         cache = torch.empty(num_pages, pb, dtype=torch.uint8, device=device)
     try:

@@ -17,7 +17,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout
 from sgl_dsv4_kernels import reference as R
 
-from samples import overlapping_rows
+from samples import huge_cpu_tensor, overlapping_rows
 
 torch.set_flush_denormal(False)
 
@@ -265,15 +265,13 @@ LOW_RATIO_OPS = ["c1_decode_norm_rope_store", "c2_decode_or_verify_norm_rope_sto
 def _args_with_rows_past_the_grid(op: str, device: str, tmp_path) -> list:
     """op's arguments with MAX_ROWS + 1 kv rows: a broadcast kv_input and, on the CPU, index vectors of virtual
     memory (8 GiB each) that the op must never touch."""
-    from test_cache_ops import _huge_cpu_tensor
-
     rows = MAX_ROWS + 1
 
     def row_vector(name):
         if device == "meta":
             return torch.empty(rows, dtype=torch.int32, device="meta")
         (tmp_path / name).mkdir()
-        return _huge_cpu_tensor(4 * rows, tmp_path / name).view(torch.int32)
+        return huge_cpu_tensor(4 * rows, tmp_path / name).view(torch.int32)
 
     weight = torch.ones(512, dtype=torch.bfloat16, device=device)
     table = torch.zeros(8, 64, device=device)
