@@ -391,9 +391,9 @@ def test_k_writer_pipeline_overlapping_rows(stride):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_k_writer_large_n_matches_reference(layout, kind, n):
     """At n >= 4096 the CUDA K writer prefetches rows by bulk copies when they are 16-byte aligned (the
-    contiguous and strided combos) and falls back otherwise (odd_stride). Under 16-row warps, the last warp
-    holds 15, 1 or 2 rows (fewer rows than pipeline stages: its first copies stop at its rows); invalid slots
-    and positions are spread through the rows."""
+    contiguous and strided combos) and falls back otherwise (odd_stride). Below one wave of 16-row warps the
+    rows spread over the resident warps: here 1 or 2 rows to a warp (fewer rows than pipeline stages: its first
+    copies stop at its rows); invalid slots and positions are spread through the rows."""
     for i, combo in enumerate(COMBOS):
         gen = _gen("k-large", layout, kind, i, n)
         x, w, eps = _rows(kind, gen, n, 512)
@@ -411,7 +411,9 @@ def test_k_writer_pipeline_refills_after_reads(layout, kv_dtype):
     rows wrote a wrong row on the first run here. Repeated runs on the same inputs must all give the
     reference bytes."""
     gen = _gen("k-refill", layout, str(kv_dtype))
-    n, pages = 8192 + 77, 8192 // 64 + 4
+    # Below one wave of 16-row warps on an H200 (4224 resident warps), so the rows spread 14 or 15 to a warp:
+    # every warp refills its stages several times.
+    n, pages = 60000 + 77, 60000 // 64 + 4
     x, w, eps = _rows("general", gen, n, 512)
     kv = x.to(kv_dtype)
     pos, loc = _positions(gen, n, torch.int64), _slots(gen, n, pages * 64, torch.int64)

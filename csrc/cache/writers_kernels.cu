@@ -2,6 +2,9 @@
 // dims [16l, 16l+16) (lanes 28..31 the RoPE tail) for the norm and the quantizer, and rotates RoPE pair
 // l; indexer rows: four per warp, lane s of a row's 8 owns dims [16s, 16s+16). Every lane of a row
 // resolves its slot and position (from out_loc/positions or the plan entry).
+#include <algorithm>
+#include <atomic>
+
 #include "writers_launch.h"
 #include "dsv4/bulk_copy.cuh"
 #include "dsv4/hadamard.cuh"
@@ -215,12 +218,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel
 // ---- K writer at large N: rows prefetched by bulk copies ----
 //
 // At large N the one-row-per-warp kernel waits on its row loads for about 40 % of its cycles: a warp has
-// one row in flight, and the registers cap the warps per SM. Here a warp takes kPipelineRows consecutive
-// rows and keeps kPipelineStages of them in flight through shared memory: its first lane issues one bulk
-// copy per row (no registers held, one instruction), refilling a stage as soon as the warp has read it.
+// one row in flight, and the registers cap the warps per SM. Here a warp takes up to kPipelineRows
+// consecutive rows (pipelined_warps) and keeps kPipelineStages of them in flight through shared memory: its
+// first lane issues one bulk copy per row (no registers held, one instruction), refilling a stage as soon as
+// the warp has read it.
 // The rows' slots and positions are loaded once (lane j: row j), and each row's RoPE table pair is loaded
 // one row ahead. The weight is widened once per warp. Same per-row arithmetic, so the same bytes.
-constexpr int kPipelineRows = 16;    // rows per warp (lane j < kPipelineRows holds row j's indices)
+constexpr int kPipelineRows = 16;    // most rows per warp (lane j < kPipelineRows holds row j's indices)
 constexpr int kPipelineStages = 3;   // rows in flight per warp
 constexpr int64_t kPipelineMinRows = 4096;
 
@@ -240,7 +244,7 @@ __device__ __forceinline__ RawElements<kLaneDims, KvFp32> read_lane_from_shared(
 }
 
 template <KVLayout L, bool KvFp32>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_kernel(NormRopeParams p) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_kernel(NormRopeParams p, int64_t warps) {
   constexpr uint32_t kRowBytes = pipeline_row_bytes<KvFp32>();
   constexpr unsigned kAll = 0xFFFFFFFFu;
   __shared__ __align__(128) uint8_t rows[kWarpsPerBlock][kPipelineStages][kRowBytes];
@@ -248,10 +252,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
   __shared__ __align__(8) uint64_t released[kWarpsPerBlock][kPipelineStages];  // every lane has read it
   __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t first = (int64_t(blockIdx.x) * kWarpsPerBlock + warp) * kPipelineRows;
+  // Warp w of `warps` takes rows [w n / warps, (w + 1) n / warps): at most kPipelineRows (pipelined_warps).
+  const int64_t warp_index = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
+  const int64_t first = warp_index * p.n / warps;
+  const int count = int((warp_index + 1) * p.n / warps - first);
   pdl_wait_dependencies();
-  if (first >= p.n) return;  // the whole warp
-  const int count = int(p.n - first < kPipelineRows ? p.n - first : kPipelineRows);
+  if (warp_index >= warps || count == 0) return;  // the whole warp
   // Shared addresses of stage 0 (stage s: + s * its size), computed once for the whole loop.
   const uint32_t rows_at = shared_address(rows[warp][0]);
   const uint32_t arrived_at = shared_address(&arrived[warp][0]);
@@ -392,21 +398,55 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
 dim3 token_grid(int64_t warps) { return dim3(unsigned((warps + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
 
 // The pipelined K writer needs 16-byte aligned rows (bulk copies), a compact cache, a non-empty 8-byte
-// aligned RoPE table whose positions fit int32, and enough rows to fill its warps.
+// aligned RoPE table whose positions fit int32, and enough rows to fill its warps, at most 2^31 - 1 (a warp's
+// first row w n / warps is formed in int64).
 bool k_writer_pipelined_fits(const NormRopeParams& p) {
   const int64_t row_bytes = p.kv.row_stride * (p.kv.type == ElemType::FP32 ? 4 : 2);
-  return p.n >= kPipelineMinRows && reinterpret_cast<uintptr_t>(p.kv.data) % 16 == 0 && row_bytes % 16 == 0 &&
-         p.cache.compact && p.max_pos >= 1 && p.max_pos <= INT32_MAX &&
+  return p.n >= kPipelineMinRows && p.n <= INT32_MAX && reinterpret_cast<uintptr_t>(p.kv.data) % 16 == 0 &&
+         row_bytes % 16 == 0 && p.cache.compact && p.max_pos >= 1 && p.max_pos <= INT32_MAX &&
          reinterpret_cast<uintptr_t>(p.freqs) % 8 == 0;
+}
+
+// Warps of the pipelined K writer<L, KvFp32> that the current device holds at once. The occupancy query takes
+// microseconds of host time, so it is asked once per device.
+template <KVLayout L, bool KvFp32>
+int64_t pipelined_resident_warps() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> known[kMaxDevices] = {};  // 0 = not asked yet
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached) {
+    const int64_t warps = known[device].load(std::memory_order_relaxed);
+    if (warps > 0) return warps;
+  }
+  int sms = 0, blocks_per_sm = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, k_writer_pipelined_kernel<L, KvFp32>,
+                                                           kWarpsPerBlock * 32, 0),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int64_t warps = std::max<int64_t>(1, int64_t(sms) * blocks_per_sm * kWarpsPerBlock);
+  if (cached) known[device].store(warps, std::memory_order_relaxed);
+  return warps;
+}
+
+// The pipelined K writer's warp count. A warp's rows run one after another, so a call within one wave of
+// kPipelineRows-row warps spreads its rows evenly over every warp the device holds at once (below one wave of
+// full warps, fewer warps in series; at one wave, some SMs a block more than others); larger calls take
+// kPipelineRows rows per warp.
+template <KVLayout L, bool KvFp32>
+int64_t pipelined_warps(int64_t n) {
+  const int64_t full = (n + kPipelineRows - 1) / kPipelineRows;
+  return std::max(full, std::min(pipelined_resident_warps<L, KvFp32>(), n));
 }
 
 template <KVLayout L, RowSource S>
 void launch_main(const NormRopeParams& p, cudaStream_t stream, const char* name) {
   const bool fp32 = p.kv.type == ElemType::FP32;
   if (S == RowSource::KWriter && k_writer_pipelined_fits(p)) {
-    const dim3 grid(unsigned((p.n + kWarpsPerBlock * kPipelineRows - 1) / (kWarpsPerBlock * kPipelineRows)));
-    launch_kernel(fp32 ? k_writer_pipelined_kernel<L, true> : k_writer_pipelined_kernel<L, false>, grid,
-                  dim3(kWarpsPerBlock * 32), 0, stream, name, p);
+    const int64_t warps = fp32 ? pipelined_warps<L, true>(p.n) : pipelined_warps<L, false>(p.n);
+    launch_kernel(fp32 ? k_writer_pipelined_kernel<L, true> : k_writer_pipelined_kernel<L, false>,
+                  token_grid(warps), dim3(kWarpsPerBlock * 32), 0, stream, name, p, warps);
     return;
   }
   launch_kernel(fp32 ? norm_rope_main_kernel<L, true, S> : norm_rope_main_kernel<L, false, S>,
