@@ -401,6 +401,21 @@ def test_k_writer_large_n_matches_reference(layout, kind, n):
         cache.check(f"combo {i}")
 
 
+@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_k_writer_large_n_full_warps_matches_reference(layout):
+    """Above one wave of 16-row warps (67584 rows on an H200: 4224 resident warps) the pipelined K writer gives
+    every warp 16 rows and the last one what is left: 70007 rows leave it 7. bf16 rows into a compact cache,
+    and fp32 strided rows into a pool slice."""
+    n = 70007
+    for i in (0, 3):
+        gen = _gen("k-full-warps", layout, i)
+        x, w, eps = _rows("general", gen, n, 512)
+        cache = run_k_writer("cuda", x, w, eps, COMBOS[i], 64, n // 64 + 4, layout, gen, random_fill=False)
+        cache.check(f"combo {i}")
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
 @pytest.mark.cuda

@@ -3,7 +3,6 @@
 // l; indexer rows: four per warp, lane s of a row's 8 owns dims [16s, 16s+16). Every lane of a row
 // resolves its slot and position (from out_loc/positions or the plan entry).
 #include <algorithm>
-#include <atomic>
 
 #include "writers_launch.h"
 #include "dsv4/bulk_copy.cuh"
@@ -219,7 +218,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel
 //
 // At large N the one-row-per-warp kernel waits on its row loads for about 40 % of its cycles: a warp has
 // one row in flight, and the registers cap the warps per SM. Here a warp takes up to kPipelineRows
-// consecutive rows (pipelined_warps) and keeps kPipelineStages of them in flight through shared memory: its
+// consecutive rows (pipelined_split) and keeps kPipelineStages of them in flight through shared memory: its
 // first lane issues one bulk copy per row (no registers held, one instruction), refilling a stage as soon as
 // the warp has read it.
 // The rows' slots and positions are loaded once (lane j: row j), and each row's RoPE table pair is loaded
@@ -243,8 +242,18 @@ __device__ __forceinline__ RawElements<kLaneDims, KvFp32> read_lane_from_shared(
   return raw;
 }
 
+// How the pipelined K writer's rows fall to its warps: warp w takes `rows` rows, plus one when w < extra,
+// consecutive from w * rows + min(w, extra) (the last warp fewer when they run out). Formed on the host, so a
+// warp finds its rows without a division.
+struct PipelinedSplit {
+  int64_t warps;
+  int32_t rows;   // <= kPipelineRows, and < kPipelineRows when extra > 0
+  int32_t extra;  // < warps
+};
+
 template <KVLayout L, bool KvFp32>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_kernel(NormRopeParams p, int64_t warps) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 8)
+    k_writer_pipelined_kernel(NormRopeParams p, PipelinedSplit split) {
   constexpr uint32_t kRowBytes = pipeline_row_bytes<KvFp32>();
   constexpr unsigned kAll = 0xFFFFFFFFu;
   __shared__ __align__(128) uint8_t rows[kWarpsPerBlock][kPipelineStages][kRowBytes];
@@ -252,12 +261,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) k_writer_pipelined_ker
   __shared__ __align__(8) uint64_t released[kWarpsPerBlock][kPipelineStages];  // every lane has read it
   __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // Warp w of `warps` takes rows [w n / warps, (w + 1) n / warps): at most kPipelineRows (pipelined_warps).
   const int64_t warp_index = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  const int64_t first = warp_index * p.n / warps;
-  const int count = int((warp_index + 1) * p.n / warps - first);
+  const int64_t first = warp_index * split.rows + min(warp_index, int64_t(split.extra));
+  const int count = int(min(int64_t(split.rows + (warp_index < split.extra ? 1 : 0)), p.n - first));
   pdl_wait_dependencies();
-  if (warp_index >= warps || count == 0) return;  // the whole warp
+  if (warp_index >= split.warps || count <= 0) return;  // the whole warp
   // Shared addresses of stage 0 (stage s: + s * its size), computed once for the whole loop.
   const uint32_t rows_at = shared_address(rows[warp][0]);
   const uint32_t arrived_at = shared_address(&arrived[warp][0]);
@@ -398,55 +406,47 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(
 dim3 token_grid(int64_t warps) { return dim3(unsigned((warps + kWarpsPerBlock - 1) / kWarpsPerBlock)); }
 
 // The pipelined K writer needs 16-byte aligned rows (bulk copies), a compact cache, a non-empty 8-byte
-// aligned RoPE table whose positions fit int32, and enough rows to fill its warps, at most 2^31 - 1 (a warp's
-// first row w n / warps is formed in int64).
+// aligned RoPE table whose positions fit int32, and enough rows to fill its warps.
 bool k_writer_pipelined_fits(const NormRopeParams& p) {
   const int64_t row_bytes = p.kv.row_stride * (p.kv.type == ElemType::FP32 ? 4 : 2);
-  return p.n >= kPipelineMinRows && p.n <= INT32_MAX && reinterpret_cast<uintptr_t>(p.kv.data) % 16 == 0 &&
-         row_bytes % 16 == 0 && p.cache.compact && p.max_pos >= 1 && p.max_pos <= INT32_MAX &&
-         reinterpret_cast<uintptr_t>(p.freqs) % 8 == 0;
+  return p.n >= kPipelineMinRows && reinterpret_cast<uintptr_t>(p.kv.data) % 16 == 0 && row_bytes % 16 == 0 &&
+         p.cache.compact && p.max_pos >= 1 && p.max_pos <= INT32_MAX && reinterpret_cast<uintptr_t>(p.freqs) % 8 == 0;
 }
 
-// Warps of the pipelined K writer<L, KvFp32> that the current device holds at once. The occupancy query takes
-// microseconds of host time, so it is asked once per device.
+// Warps of the pipelined K writer<L, KvFp32> that the current device holds at once (asked once per device:
+// the occupancy query takes microseconds of host time).
 template <KVLayout L, bool KvFp32>
 int64_t pipelined_resident_warps() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int64_t> known[kMaxDevices] = {};  // 0 = not asked yet
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const bool cached = device >= 0 && device < kMaxDevices;
-  if (cached) {
-    const int64_t warps = known[device].load(std::memory_order_relaxed);
-    if (warps > 0) return warps;
-  }
-  int sms = 0, blocks_per_sm = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, k_writer_pipelined_kernel<L, KvFp32>,
-                                                           kWarpsPerBlock * 32, 0),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  const int64_t warps = std::max<int64_t>(1, int64_t(sms) * blocks_per_sm * kWarpsPerBlock);
-  if (cached) known[device].store(warps, std::memory_order_relaxed);
-  return warps;
+  static DeviceValueCache resident;
+  return resident.get([](int device) {
+    int sms = 0, blocks_per_sm = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, k_writer_pipelined_kernel<L, KvFp32>,
+                                                             kWarpsPerBlock * 32, 0),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return std::max<int64_t>(1, int64_t(sms) * blocks_per_sm * kWarpsPerBlock);
+  });
 }
 
-// The pipelined K writer's warp count. A warp's rows run one after another, so a call within one wave of
-// kPipelineRows-row warps spreads its rows evenly over every warp the device holds at once (below one wave of
-// full warps, fewer warps in series; at one wave, some SMs a block more than others); larger calls take
-// kPipelineRows rows per warp.
+// The pipelined K writer's split of n rows. A warp's rows run one after another, so kPipelineRows-row warps
+// leave most of the device idle when they are fewer than it holds at once: such a call spreads its rows evenly
+// over every resident warp instead (n / resident rows each, one more for the first n % resident). Larger calls
+// take kPipelineRows rows per warp.
 template <KVLayout L, bool KvFp32>
-int64_t pipelined_warps(int64_t n) {
-  const int64_t full = (n + kPipelineRows - 1) / kPipelineRows;
-  return std::max(full, std::min(pipelined_resident_warps<L, KvFp32>(), n));
+PipelinedSplit pipelined_split(int64_t n) {
+  const int64_t full_warps = (n + kPipelineRows - 1) / kPipelineRows;
+  const int64_t spread_warps = std::min(pipelined_resident_warps<L, KvFp32>(), n);
+  if (spread_warps <= full_warps) return {full_warps, kPipelineRows, 0};
+  return {spread_warps, int32_t(n / spread_warps), int32_t(n % spread_warps)};
 }
 
 template <KVLayout L, RowSource S>
 void launch_main(const NormRopeParams& p, cudaStream_t stream, const char* name) {
   const bool fp32 = p.kv.type == ElemType::FP32;
   if (S == RowSource::KWriter && k_writer_pipelined_fits(p)) {
-    const int64_t warps = fp32 ? pipelined_warps<L, true>(p.n) : pipelined_warps<L, false>(p.n);
+    const PipelinedSplit split = fp32 ? pipelined_split<L, true>(p.n) : pipelined_split<L, false>(p.n);
     launch_kernel(fp32 ? k_writer_pipelined_kernel<L, true> : k_writer_pipelined_kernel<L, false>,
-                  token_grid(warps), dim3(kWarpsPerBlock * 32), 0, stream, name, p, warps);
+                  token_grid(split.warps), dim3(kWarpsPerBlock * 32), 0, stream, name, p, split);
     return;
   }
   launch_kernel(fp32 ? norm_rope_main_kernel<L, true, S> : norm_rope_main_kernel<L, false, S>,

@@ -16,18 +16,13 @@ bool pdl_requested_by_environment() {
 
 bool pdl_enabled_for_current_device() {
   if (!pdl_requested_by_environment()) return false;
-  constexpr int kMaxDevices = 64;
-  static int major_by_device[kMaxDevices] = {};  // 0 = not queried yet
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= kMaxDevices) return false;
-  if (major_by_device[device] == 0) {
-    int major = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-               "cudaDeviceGetAttribute");
-    major_by_device[device] = major;
-  }
-  return major_by_device[device] >= 9;
+  static DeviceValueCache major_by_device;
+  const int64_t major = major_by_device.get([](int device) {
+    int value = 0;
+    check_cuda(cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+    return int64_t(value);
+  });
+  return major >= 9;
 }
 
 }  // namespace dsv4

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -72,6 +74,30 @@ inline void check_cuda(cudaError_t err, const char* what) {
     throw std::runtime_error(std::string("dsv4: ") + what + ": " + cudaGetErrorString(err));
   }
 }
+
+// A positive value asked of the CUDA runtime once per device (an attribute, an occupancy) and read back on
+// later calls: such queries cost microseconds of host time, and a launch would pay them every call. Devices
+// past the first kMaxDevices ask every time.
+class DeviceValueCache {
+ public:
+  template <typename Query>  // int64_t query(int device), > 0
+  int64_t get(Query query) {
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    const bool cached = device >= 0 && device < kMaxDevices;
+    if (cached) {
+      const int64_t value = values_[device].load(std::memory_order_relaxed);
+      if (value > 0) return value;
+    }
+    const int64_t value = query(device);
+    if (cached) values_[device].store(value, std::memory_order_relaxed);
+    return value;
+  }
+
+ private:
+  static constexpr int kMaxDevices = 64;
+  std::atomic<int64_t> values_[kMaxDevices] = {};  // 0 = not asked yet
+};
 
 // Launches `kernel` on `stream`, with programmatic stream serialization where supported.
 template <typename... KernelArgs, typename... Args>
