@@ -1,8 +1,10 @@
 // CUDA kernel of dequantize_k_cache_paged: one token per warp, lane l produces output dims
-// [16l, 16l+16). Invalid slots give +0.0 rows; NaNs are written as the canonical 0x7FC0.
+// [16l, 16l+16), stored through shared memory in whole sectors. Invalid slots give +0.0 rows; NaNs are written
+// as the canonical 0x7FC0.
 #include "cache_launch.h"
 #include "dsv4/launch.cuh"
 #include "dsv4/quant.cuh"
+#include "dsv4/shared_io.cuh"
 #include "dsv4/vec_io.cuh"
 #include "dsv4/warp_quant.cuh"  // lane geometry of a row
 
@@ -69,7 +71,28 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) dequant_kernel(DequantPar
     for (int i = 0; i < kLaneDims; ++i) out[i] = 0;
   }
   pdl_launch_dependents();
-  store_u16<kLaneDims>(p.out + token * p.out_row_stride + lane * kLaneDims, out);
+  uint16_t* row = p.out + token * p.out_row_stride;
+  if (!aligned16(row)) {
+    store_u16<kLaneDims>(row + lane * kLaneDims, out);  // element by element
+    return;
+  }
+  // The row goes out through shared memory as two 512-byte halves, lane l storing 16 bytes of each. A lane's own
+  // 32 bytes, stored as two 16-byte halves 32 bytes apart, wrote every sector of the row in two partial writes
+  // from two instructions (as the KV store's V4 tail did). H100, 65536 rows: V4 / V41 / V41_FP4 38.6-38.8 /
+  // 37.1-37.6 / 32.2-32.3 -> 37.6-37.7 / 34.9-35.0 / 31.8-32.0 us; 2^20 rows V41 1 % faster, V41_FP4 0.5 % slower.
+  __shared__ __align__(16) uint16_t rows[kWarpsPerBlock][kMainDim];
+  const uint32_t at = shared_address(rows[threadIdx.x >> 5]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint16_t* v = out + 8 * h;
+    store_shared_u4(at + 32 * lane + 16 * h,
+                    make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16),
+                               v[4] | (uint32_t(v[5]) << 16), v[6] | (uint32_t(v[7]) << 16)));
+  }
+  __syncwarp();
+  uint4* dst = reinterpret_cast<uint4*>(row);
+  dst[lane] = load_shared_u4(at + 16 * lane);
+  dst[32 + lane] = load_shared_u4(at + 512 + 16 * lane);
 }
 
 template <KVLayout L>

@@ -1,5 +1,5 @@
 // CUDA kernels of fused_store_cache: one token per warp, quantized by the warp-level row
-// quantizers of warp_quant.cuh. Invalid slots write nothing.
+// quantizers of warp_quant.cuh (V4's bf16 RoPE dims in one coalesced store). Invalid slots write nothing.
 #include "cache_launch.h"
 #include "dsv4/launch.cuh"
 #include "dsv4/quant.cuh"
@@ -42,7 +42,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
     }
   }
   pdl_launch_dependents();
-  quantize_main_lane<L, !InputFp32>(x, lane, p.cache.data_row(slot), p.cache.scale_row(slot));
+  uint8_t* data = p.cache.data_row(slot);
+  if constexpr (L == KVLayout::V4) {
+    __shared__ __align__(16) uint32_t tails[kWarpsPerBlock][32];  // each warp's RoPE words
+    store_v4_tail_across_warp(x, lane, shared_address(tails[threadIdx.x >> 5]), data + kV4NopeDim);
+  }
+  quantize_main_lane<L, !InputFp32, kLaneDims, false, L == KVLayout::V4>(x, lane, data, p.cache.scale_row(slot));
 }
 
 // Indexer rows: four per warp, 8 lanes x 16 dims each (warp_quant.cuh).

@@ -34,6 +34,13 @@ __device__ __forceinline__ void store_shared_u4(uint32_t at, uint4 v) {
                : "memory");
 }
 
+// 4 bytes at a 4-byte aligned address.
+__device__ __forceinline__ uint32_t load_shared_u32(uint32_t at) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at) : "memory");
+  return v;
+}
+
 // 8 bytes at an 8-byte aligned address.
 __device__ __forceinline__ uint2 load_shared_u2(uint32_t at) {
   uint2 v;

@@ -8,6 +8,7 @@
 #include "dsv4/e2m1_pairs.cuh"
 #include "dsv4/kv_layout.cuh"
 #include "dsv4/quant.cuh"
+#include "dsv4/shared_io.cuh"
 #include "dsv4/vec_io.cuh"
 
 namespace dsv4 {
@@ -70,6 +71,28 @@ __device__ __forceinline__ void store_e4m3_lane(const float* x, uint8_t scale_by
   store_words<N>(dst, w);
 }
 
+// Stores V4's RoPE dims as bf16 at `dst` (the row's 128 RoPE bytes, 4-byte aligned) when lanes 28..31 hold
+// them, 16 each: the tail lanes put their packed pairs in the warp's 128-byte exchange area at `tail_at`
+// (16-byte aligned), and lane l stores word l, one coalesced 128-byte store. Stored by the tail lanes
+// themselves, 32 bytes each in two 16-byte halves 32 bytes apart, each of the four sectors took two partial
+// writes from two instructions, and V4 rows were the slow ones (H100, KV store of 65536 rows: 43.0 -> 38.0 us,
+// V41 34.7). Same roundings, so the same bytes. All lanes must call; the opening barrier orders this call's
+// writes to the area after every lane's read of the previous call's.
+__device__ __forceinline__ void store_v4_tail_across_warp(const float* x, int lane, uint32_t tail_at,
+                                                          uint8_t* dst) {
+  __syncwarp();
+  if (lane >= kRopeFirstLane) {
+    const uint32_t at = tail_at + (lane - kRopeFirstLane) * kLaneDims * 2;
+#pragma unroll
+    for (int j = 0; j < kLaneDims; j += 8) {
+      store_shared_u4(at + 2 * j, make_uint4(pack_bf16x2(x[j], x[j + 1]), pack_bf16x2(x[j + 2], x[j + 3]),
+                                             pack_bf16x2(x[j + 4], x[j + 5]), pack_bf16x2(x[j + 6], x[j + 7])));
+    }
+  }
+  __syncwarp();
+  reinterpret_cast<uint32_t*>(dst)[lane] = load_shared_u32(tail_at + 4 * lane);
+}
+
 // Quantizes this lane's LaneDims values of a main row (held by 512 / LaneDims lanes of aligned groups;
 // `sub` = this lane's index in the row: dims [LaneDims * sub, LaneDims * (sub + 1))) into the layout's data
 // and scale rows. A tile's amax is reduced over the lanes that share it (16 dims per lane: V4 4 lanes, V41
@@ -78,7 +101,8 @@ __device__ __forceinline__ void store_e4m3_lane(const float* x, uint8_t scale_by
 // Bf16Values: every x is bf16-representable, which lets V41_FP4 encode pairs (e2m1_pairs.cuh); same bytes.
 // WholeWarp: every lane of the warp makes this call, so the tile-amax shuffles name the whole warp (a constant
 // mask spares the convergence check that the compiler puts before shuffles with a computed mask).
-// V4TailStored: the caller has stored V4's RoPE dims (rotate_tail_to_bf16_across_warp); their lanes store nothing.
+// V4TailStored: the caller has stored V4's RoPE dims (rotate_tail_to_bf16_across_warp, store_v4_tail_across_warp);
+// their lanes store nothing.
 template <KVLayout L, bool Bf16Values, int LaneDims = kLaneDims, bool WholeWarp = false, bool V4TailStored = false>
 __device__ __forceinline__ void quantize_main_lane(const float* x, int sub, uint8_t* data, uint8_t* scale) {
   constexpr int kTile = LayoutTraits<L>::kTile;
