@@ -113,19 +113,18 @@ __device__ __forceinline__ void load_widen4(const void* src, float* out) {
   }
 }
 
+// 8 16-bit values as the 16 bytes they occupy in memory (little-endian).
+__device__ __forceinline__ uint4 pack_u16x8(const uint16_t* v) {
+  return make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
+                    v[6] | (uint32_t(v[7]) << 16));
+}
+
 // Stores N (a multiple of 8) 16-bit values.
 template <int N>
 __device__ __forceinline__ void store_u16(uint16_t* dst, const uint16_t* v) {
   if (aligned16(dst)) {
 #pragma unroll
-    for (int i = 0; i < N; i += 8) {
-      uint4 w;
-      w.x = v[i] | (uint32_t(v[i + 1]) << 16);
-      w.y = v[i + 2] | (uint32_t(v[i + 3]) << 16);
-      w.z = v[i + 4] | (uint32_t(v[i + 5]) << 16);
-      w.w = v[i + 6] | (uint32_t(v[i + 7]) << 16);
-      *reinterpret_cast<uint4*>(dst + i) = w;
-    }
+    for (int i = 0; i < N; i += 8) *reinterpret_cast<uint4*>(dst + i) = pack_u16x8(v + i);
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) dst[i] = v[i];
