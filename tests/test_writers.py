@@ -401,16 +401,21 @@ def test_k_writer_large_n_matches_reference(layout, kind, n):
         cache.check(f"combo {i}")
 
 
+# (rows, COMBOS indices) above one wave of 16-row warps (67584 rows on an H100 or H200: 4224 resident warps).
+WHOLE_WAVE_CASES = [(70007, (0, 3)), (101375, (0,)), (108135, (3,))]
+
+
+@pytest.mark.parametrize("n,combos", WHOLE_WAVE_CASES, ids=[str(n) for n, _ in WHOLE_WAVE_CASES])
 @pytest.mark.parametrize("layout", list(KVLayout), ids=lambda l: l.str_name)
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_k_writer_large_n_full_warps_matches_reference(layout):
-    """Above one wave of 16-row warps (67584 rows on an H200: 4224 resident warps) the pipelined K writer gives
-    every warp 16 rows and the last one what is left: 70007 rows leave it 7. bf16 rows into a compact cache,
-    and fp32 strided rows into a pool slice."""
-    n = 70007
-    for i in (0, 3):
-        gen = _gen("k-full-warps", layout, i)
+def test_k_writer_large_n_whole_waves_matches_reference(layout, n, combos):
+    """Above one wave of 16-row warps the pipelined K writer gives every warp 16 rows and the last one what is
+    left (108135 rows: 7), unless the last wave would be at most half full; then the rows spread over the whole
+    waves' warps (70007 rows: 16 or 17 a warp; 101375: 23 or 24, the most a warp takes). bf16 rows into a
+    compact cache, and fp32 strided rows into a pool slice."""
+    for i in combos:
+        gen = _gen("k-whole-waves", layout, i, n)
         x, w, eps = _rows("general", gen, n, 512)
         cache = run_k_writer("cuda", x, w, eps, COMBOS[i], 64, n // 64 + 4, layout, gen, random_fill=False)
         cache.check(f"combo {i}")
