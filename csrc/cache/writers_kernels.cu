@@ -217,8 +217,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel
 // ---- K writer at large N: rows prefetched by bulk copies ----
 //
 // At large N the one-row-per-warp kernel waits on its row loads for about 40 % of its cycles: a warp has
-// one row in flight, and the registers cap the warps per SM. Here a warp takes up to kPipelineRows
-// consecutive rows (pipelined_split) and keeps kPipelineStages of them in flight through shared memory: its
+// one row in flight, and the registers cap the warps per SM. Here a warp takes a run of consecutive rows (about
+// kPipelineRows; pipelined_split) and keeps kPipelineStages of them in flight through shared memory: its
 // first lane issues one bulk copy per row (no registers held, one instruction), refilling a stage as soon as
 // the warp has read it.
 // The rows' slots and positions are loaded once (lane j: row j), and each row's RoPE table pair is loaded
