@@ -401,8 +401,8 @@ def test_k_writer_large_n_matches_reference(layout, kind, n):
         cache.check(f"combo {i}")
 
 
-# (rows, COMBOS indices) above one wave of 16-row warps (67584 rows on an H100 or H200: 4224 resident warps).
-WHOLE_WAVE_CASES = [(70007, (0, 3)), (101375, (0,)), (108135, (3,))]
+# (rows, COMBOS indices) above one wave of 16-row warps (59136 rows on an H100 or H200: 3696 resident warps).
+WHOLE_WAVE_CASES = [(70007, (0, 3)), (88703, (0,)), (108135, (3,))]
 
 
 @pytest.mark.parametrize("n,combos", WHOLE_WAVE_CASES, ids=[str(n) for n, _ in WHOLE_WAVE_CASES])
@@ -412,7 +412,7 @@ WHOLE_WAVE_CASES = [(70007, (0, 3)), (101375, (0,)), (108135, (3,))]
 def test_k_writer_large_n_whole_waves_matches_reference(layout, n, combos):
     """Above one wave of 16-row warps the pipelined K writer gives every warp 16 rows and the last one what is
     left (108135 rows: 7), unless the last wave would be at most half full; then the rows spread over the whole
-    waves' warps (70007 rows: 16 or 17 a warp; 101375: 23 or 24, the most a warp takes). bf16 rows into a
+    waves' warps (70007 rows: 18 or 19 a warp; 88703: 23 or 24, the most a warp takes). bf16 rows into a
     compact cache, and fp32 strided rows into a pool slice."""
     for i in combos:
         gen = _gen("k-whole-waves", layout, i, n)
@@ -431,8 +431,8 @@ def test_k_writer_pipeline_refills_after_reads(layout, kv_dtype):
     rows wrote a wrong row on the first run here. Repeated runs on the same inputs must all give the
     reference bytes."""
     gen = _gen("k-refill", layout, str(kv_dtype))
-    # Below one wave of 16-row warps on an H200 (4224 resident warps), so the rows spread 14 or 15 to a warp:
-    # every warp refills its stages several times.
+    # Just above one wave of 16-row warps on an H100 or H200 (3696 resident warps), whose few extra rows spread:
+    # 16 or 17 rows to a warp, so every warp refills its stages several times.
     n, pages = 60000 + 77, 60000 // 64 + 4
     x, w, eps = _rows("general", gen, n, 512)
     kv = x.to(kv_dtype)
