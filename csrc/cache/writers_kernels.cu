@@ -256,11 +256,11 @@ struct PipelinedSplit {
 };
 
 // Seven blocks per SM (up to 72 registers): bounded to 64 (eight blocks), the compiler re-read the thread index
-// (five or six S2R) and re-derived lane-dependent values inside the loop, 13-14 more instructions per row (V4 /
-// V41_FP4 loop 322 / 404 -> 308 / 391). H100, three alternating rounds, eight / seven blocks: 1-3 % faster at 16384-2^20
-// rows (V41_FP4 131072 rows 79.6 -> 77.2-78.0 us), V41 at 70007 rows 1 % slower. More warps were slower
-// everywhere (nine blocks 5-15 %, ten 20-40 %: spills, and more DRAM streams at once); six no better than seven.
-// (Not measured on an H200.)
+// (five or six S2R) and re-derived lane-dependent values inside the loop, 13-14 more instructions per row
+// (V4 / V41_FP4 loop 322 / 404 -> 308 / 391). H100, three alternating rounds, eight / seven blocks: 1-3 % faster
+// at 16384-2^20 rows (V41_FP4 131072 rows 79.6 -> 77.2-78.0 us), V41 at 70007 rows 1 % slower. More warps were
+// slower everywhere (nine blocks 5-15 %, ten 20-40 %: spills, and more DRAM streams at once); six no better
+// than seven. (Not measured on an H200.)
 template <KVLayout L, bool KvFp32>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, 7)
     k_writer_pipelined_kernel(NormRopeParams p, PipelinedSplit split) {
