@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 10) norm_rope_main_kernel
 constexpr int kPipelineRows = 16;    // rows per warp at large n (pipelined_split)
 constexpr int kSpreadLastWave = 2;   // a last wave at most half full is spread: at most 16 + 8 rows a warp
 // Rows in flight per warp. H100: three stages were 3-6 % slower than two at 16384-32768 rows and no faster
-// elsewhere; four slower still. H200, three alternating rounds: three stages 1-6 % slower at 16384-2^20 rows.
+// elsewhere; four slower still. H200, three alternating rounds: three stages 3-10 % slower at 16384 rows, 1-2 %
+// at 65536-131072, level at 2^20.
 constexpr int kPipelineStages = 2;
 constexpr int64_t kPipelineMinRows = 4096;
 
@@ -260,8 +261,8 @@ struct PipelinedSplit {
 // (V4 / V41_FP4 loop 322 / 404 -> 308 / 391). H100, three alternating rounds, eight / seven blocks: 1-3 % faster
 // at 16384-2^20 rows (V41_FP4 131072 rows 79.6 -> 77.2-78.0 us), V41 at 70007 rows 1 % slower. More warps were
 // slower everywhere (nine blocks 5-15 %, ten 20-40 %: spills, and more DRAM streams at once); six no better
-// than seven. H200, eight / seven blocks: V41 at 2^20 rows 2 % faster, but V4 and V41_FP4 at 65536-2^20 rows
-// 1-5 % slower.
+// than seven. H200, eight / seven blocks: V41 0.6 % faster at 65536 rows and 2 % at 2^20, but V4 and V41_FP4 up
+// to 5 % slower (V41_FP4 131072 rows 74.0-74.3 -> 77.5-78.2 us).
 template <KVLayout L, bool KvFp32>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, 7)
     k_writer_pipelined_kernel(NormRopeParams p, PipelinedSplit split) {
@@ -377,7 +378,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 7)
 // but name the whole warp: exited lanes are excused, and a constant full mask spares the convergence
 // check the compiler wraps around shuffles with a computed mask (about 5 instructions each time).
 // No minimum of blocks: bounded to nine or ten blocks per SM (56 / 48 registers, 8-172 bytes spilled) it ran
-// 2-7 % / 15-56 % slower at 16384-2^20 rows (H100), so it keeps 64 registers and eight blocks.
+// 0.4-10 % / 17-56 % slower at 16384-2^20 rows (H100), so it keeps 64 registers and eight blocks.
 
 template <IndexerFormat F, bool KvFp32, RowSource S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) norm_rope_indexer_kernel(NormRopeParams p) {
