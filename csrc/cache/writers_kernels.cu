@@ -256,21 +256,22 @@ struct PipelinedSplit {
   int32_t extra;  // < warps
 };
 
-// Seven blocks per SM (up to 72 registers): bounded to 64 (eight blocks), the compiler re-read the thread index
-// (five or six S2R) and re-derived lane-dependent values inside the loop, 13-14 more instructions per row
-// (V4 / V41_FP4 loop 322 / 404 -> 308 / 391). H100, three alternating rounds, eight / seven blocks: 1-3 % faster
-// at 16384-2^20 rows (V41_FP4 131072 rows 79.6 -> 77.2-78.0 us), V41 at 70007 rows 1 % slower. More warps were
-// slower everywhere (nine blocks 5-15 %, ten 20-40 %: spills, and more DRAM streams at once); six no better
-// than seven. H200, eight / seven blocks: V41 0.6 % faster at 65536 rows and 2 % at 2^20, but V4 and V41_FP4 up
-// to 5 % slower (V41_FP4 131072 rows 74.0-74.3 -> 77.5-78.2 us).
+// Seven blocks per SM (up to 72 registers), eight for V41. Bounded to 64 registers (eight blocks), V4 and V41_FP4
+// re-read the thread index (five or six S2R) and re-derived lane-dependent values inside the loop, 13-14 more
+// instructions per row (V4 / V41_FP4 loop 322 / 404 -> 308 / 391), and ran up to 5 % slower on the H200 (V41_FP4
+// 131072 rows 74.0-74.3 -> 77.5-78.2 us); H100, three alternating rounds, eight -> seven blocks: 1-3 % faster at
+// 16384-2^20 rows (V41_FP4 131072 rows 79.6 -> 77.2-78.0 us), V41 at 70007 rows 1 % slower. V41 fits 64 registers
+// without those costs. H200, three alternating rounds of the unrolled loop, V41 at seven -> eight blocks: 65536
+// rows 33.31-33.57 -> 32.86-33.18 us, 2^20 434.6-435.1 -> 430.9-431.5 us, 131072 61.6-62.0 -> 62.4-62.6 us. More
+// warps were slower everywhere (nine blocks 5-15 %, ten 20-40 %: spills, and more DRAM streams at once); six no
+// better than seven.
 template <KVLayout L, bool KvFp32>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, 7)
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, L == KVLayout::V41 ? 8 : 7)
     k_writer_pipelined_kernel(NormRopeParams p, PipelinedSplit split) {
   constexpr uint32_t kRowBytes = pipeline_row_bytes<KvFp32>();
   constexpr unsigned kAll = 0xFFFFFFFFu;
   __shared__ __align__(128) uint8_t rows[kWarpsPerBlock][kPipelineStages][kRowBytes];
   __shared__ __align__(8) uint64_t arrived[kWarpsPerBlock][kPipelineStages];   // the stage's row has landed
-  __shared__ __align__(8) uint64_t released[kWarpsPerBlock][kPipelineStages];  // every lane has read it
   __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t warp_index = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
@@ -281,7 +282,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 7)
   // Shared addresses of stage 0 (stage s: + s * its size), computed once for the whole loop.
   const uint32_t rows_at = shared_address(rows[warp][0]);
   const uint32_t arrived_at = shared_address(&arrived[warp][0]);
-  const uint32_t released_at = shared_address(&released[warp][0]);
   const uint32_t tail_at = opaque_shared_address(tails[warp]);
   // Lane 0 copies the warp's rows in order, each into the next stage (round robin).
   const int64_t source_stride = p.kv.row_stride * (KvFp32 ? 4 : 2);
@@ -309,10 +309,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 7)
   }
   if (lane == 0) {
 #pragma unroll
-    for (int s = 0; s < kPipelineStages; ++s) {
-      mbarrier_init(&arrived[warp][s], 1);
-      mbarrier_init(&released[warp][s], 32);
-    }
+    for (int s = 0; s < kPipelineStages; ++s) mbarrier_init(&arrived[warp][s], 1);
     fence_mbarrier_init();
     fetch(0);  // count >= 1
   }
@@ -342,31 +339,35 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 7)
   for (int k = 0; k < kLaneDims; ++k) {
     w[k] = p.weight_fp32 ? __uint_as_float(weight_bits[k]) : bf16_to_f32(uint16_t(weight_bits[k]));
   }
-  int stage = 0;
-  uint32_t phase = 0;  // parity of the stage's current use
-  for (int i = 0; i < count; ++i) {
+  // Row i of the run, held in `stage` (a constant: the loop below is unrolled by the stages), whose current use
+  // has parity `phase`. The unrolled loop with the __syncwarp release below (it replaced 32 mbarrier arrivals and
+  // lane 0's wait on them) issues 320 / 366 instructions a V41 / V41_FP4 row instead of 335 / 379. H200, three
+  // alternating rounds: 65536 rows V41 / V41_FP4 34.1-34.2 / 42.1-42.6 -> 33.3-33.6 / 40.8-40.9 us, 2^20 rows 2 / 2.5 %
+  // faster, V4 within 1 %.
+  auto process_row = [&](int i, int stage, uint32_t phase) {
     const int32_t slot = __shfl_sync(kAll, slot_j, i);
     const float2 cs = cs_next;
     cs_next = table_pair(min(i + 1, count - 1));  // the last row loads its own pair again: no branch
     mbarrier_wait(arrived_at + 8 * stage, phase);
     const RawElements<kLaneDims, KvFp32> raw = read_lane_from_shared<KvFp32>(rows[warp][stage], lane);
-    // The refill of this stage waits until every lane's reads of it are done (the arrivals release them),
-    // then orders those reads before the bulk copy (a proxy fence: without it, on an H200, about one run
-    // in ten (V4) to nine in ten (V41_FP4) of 5007 fp32 rows wrote a row from a partly refilled stage).
-    mbarrier_arrive(released_at + 8 * stage);
-    if (lane == 0 && i + kPipelineStages < count) {
-      mbarrier_wait(released_at + 8 * stage, phase);
-      fence_proxy_async_shared();
-      fetch(stage);
-    }
-    if (++stage == kPipelineStages) {
-      stage = 0;
-      phase ^= 1u;
-    }
-    if (slot < 0) continue;  // warp-uniform
+    // The refill of this stage must follow every lane's reads of it: each lane orders its reads before the
+    // async proxy (a proxy fence: without one, on an H200, about one run in ten (V4) to nine in ten (V41_FP4)
+    // of 5007 fp32 rows wrote a row from a partly refilled stage), and the warp barrier puts lane 0's copy
+    // after all of them.
+    fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0 && i + kPipelineStages < count) fetch(stage);
+    if (slot < 0) return;  // warp-uniform
     float x[kLaneDims];
     widen_raw<kLaneDims, KvFp32>(raw, x);
     norm_rope_quantize_row<L, RowSource::KWriter, true>(p, x, w, cs, slot, lane, tail_at);
+  };
+  uint32_t phase = 0;
+  for (int i = 0; i < count; i += kPipelineStages, phase ^= 1u) {
+#pragma unroll
+    for (int stage = 0; stage < kPipelineStages; ++stage) {
+      if (i + stage < count) process_row(i + stage, stage, phase);
+    }
   }
   pdl_launch_dependents();  // after the warp's last global read
 }
