@@ -24,11 +24,6 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 // The functions below take shared-memory addresses (shared_address), which a loop computes once: from a
 // generic pointer, each call would redo the conversion (a special-register read and arithmetic).
 
-// One arrival (release: this thread's earlier shared-memory reads are done before it counts).
-__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
 // One arrival that also expects `bytes` more bytes in the current phase.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
