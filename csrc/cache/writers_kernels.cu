@@ -256,24 +256,27 @@ struct PipelinedSplit {
   int32_t extra;  // < warps
 };
 
-// Seven blocks per SM (up to 72 registers), eight for V41. Bounded to 64 registers (eight blocks), V4 and V41_FP4
-// re-read the thread index (five or six S2R) and re-derived lane-dependent values inside the loop, 13-14 more
-// instructions per row (V4 / V41_FP4 loop 322 / 404 -> 308 / 391), and ran up to 5 % slower on the H200 (V41_FP4
-// 131072 rows 74.0-74.3 -> 77.5-78.2 us); H100, three alternating rounds, eight -> seven blocks: 1-3 % faster at
-// 16384-2^20 rows (V41_FP4 131072 rows 79.6 -> 77.2-78.0 us), V41 at 70007 rows 1 % slower. V41 fits 64 registers
-// without those costs. H200, three alternating rounds of the unrolled loop, V41 at seven -> eight blocks: 65536
-// rows 33.31-33.57 -> 32.86-33.18 us, 2^20 434.6-435.1 -> 430.9-431.5 us, 131072 61.6-62.0 -> 62.4-62.6 us. More
-// warps were slower everywhere (nine blocks 5-15 %, ten 20-40 %: spills, and more DRAM streams at once); six no
-// better than seven.
+// Eight blocks per SM (64 registers) for every layout. Before the warp index was uniform (below), bounding V4 and
+// V41_FP4 to 64 registers cost them 13-14 instructions per row (the thread index re-read and lane-dependent values
+// re-derived inside the loop), so they ran at seven blocks; with it they fit 64 registers with fewer instructions
+// than at seven (V41_FP4 loop 348 -> 346 a row). H100, three alternating rounds against seven blocks: V41_FP4 at
+// 65536 rows 39.49-39.68 -> 38.75-38.98 us, level elsewhere. More warps were slower everywhere (nine blocks
+// 5-15 %, ten 20-40 %: spills, and more DRAM streams at once).
 template <KVLayout L, bool KvFp32>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, L == KVLayout::V41 ? 8 : 7)
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 8)
     k_writer_pipelined_kernel(NormRopeParams p, PipelinedSplit split) {
   constexpr uint32_t kRowBytes = pipeline_row_bytes<KvFp32>();
   constexpr unsigned kAll = 0xFFFFFFFFu;
   __shared__ __align__(128) uint8_t rows[kWarpsPerBlock][kPipelineStages][kRowBytes];
   __shared__ __align__(8) uint64_t arrived[kWarpsPerBlock][kPipelineStages];   // the stage's row has landed
   __shared__ __align__(16) float2 tails[kWarpsPerBlock][kRopeDim / 2];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // The warp index through a warp reduction, whose result the compiler holds in a uniform register: it then knows
+  // that the warp's rows, its loop and its early exit are warp-uniform, and drops the convergence checks and
+  // WARPSYNC fallbacks it wrapped around every shuffle and the bulk copies (threadIdx.x >> 5 is uniform too, but
+  // not to the compiler). Loop instructions a row: V4 / V41 / V41_FP4 288 / 320 / 366 -> 270 / 292 / 348 (seven
+  // blocks). H100, three alternating rounds: 65536 rows V41 40.8-41.3 -> 39.9-40.4 us, V41_FP4 40.6-41.0 ->
+  // 39.5-39.7, 16384 rows 3-4 % faster, 2^20 rows level.
+  const int lane = threadIdx.x & 31, warp = int(__reduce_max_sync(kAll, threadIdx.x >> 5));
   const int64_t warp_index = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   const int64_t first = warp_index * split.rows + min(warp_index, int64_t(split.extra));
   const int count = int(min(int64_t(split.rows + (warp_index < split.extra ? 1 : 0)), p.n - first));
