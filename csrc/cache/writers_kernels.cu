@@ -260,7 +260,7 @@ struct PipelinedSplit {
 // V41_FP4 to 64 registers cost them 13-14 instructions per row (the thread index re-read and lane-dependent values
 // re-derived inside the loop), so they ran at seven blocks; with it they fit 64 registers with fewer instructions
 // than at seven (V41_FP4 loop 348 -> 346 a row). H100, three alternating rounds against seven blocks: V41_FP4 at
-// 65536 rows 39.49-39.68 -> 38.75-38.98 us, level elsewhere. More warps were slower everywhere (nine blocks
+// 65536 rows 39.5-39.7 -> 38.8-39.0 us, level elsewhere. More warps were slower everywhere (nine blocks
 // 5-15 %, ten 20-40 %: spills, and more DRAM streams at once).
 template <KVLayout L, bool KvFp32>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8)
@@ -273,8 +273,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8)
   // The warp index through a warp reduction, whose result the compiler holds in a uniform register: it then knows
   // that the warp's rows, its loop and its early exit are warp-uniform, and drops the convergence checks and
   // WARPSYNC fallbacks it wrapped around every shuffle and the bulk copies (threadIdx.x >> 5 is uniform too, but
-  // not to the compiler). Loop instructions a row: V4 / V41 / V41_FP4 288 / 320 / 366 -> 270 / 292 / 348 (seven
-  // blocks). H100, three alternating rounds: 65536 rows V41 40.8-41.3 -> 39.9-40.4 us, V41_FP4 40.6-41.0 ->
+  // not to the compiler). Loop instructions a row, V41 / V41_FP4: 320 / 366 -> 292 / 348 (seven blocks;
+  // V4 18 fewer). H100, three alternating rounds: 65536 rows V41 40.8-41.3 -> 39.9-40.4 us, V41_FP4 40.6-41.0 ->
   // 39.5-39.7, 16384 rows 3-4 % faster, 2^20 rows level.
   const int lane = threadIdx.x & 31, warp = int(__reduce_max_sync(kAll, threadIdx.x >> 5));
   const int64_t warp_index = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
