@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8)
   // WARPSYNC fallbacks it wrapped around every shuffle and the bulk copies (threadIdx.x >> 5 is uniform too, but
   // not to the compiler). Loop instructions a row, V41 / V41_FP4: 320 / 366 -> 292 / 348 (seven blocks;
   // V4 18 fewer). H100, three alternating rounds: 65536 rows V41 40.8-41.3 -> 39.9-40.4 us, V41_FP4 40.6-41.0 ->
-  // 39.5-39.7, 16384 rows 3-4 % faster, 2^20 rows level.
+  // 39.5-39.7; both 3-4 % faster at 16384 rows and within 1 % at 131072-2^20; V4 within 1 % (2 % slower at 4096).
   const int lane = threadIdx.x & 31, warp = int(__reduce_max_sync(kAll, threadIdx.x >> 5));
   const int64_t warp_index = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   const int64_t first = warp_index * split.rows + min(warp_index, int64_t(split.extra));
