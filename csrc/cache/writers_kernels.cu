@@ -344,9 +344,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8)
   }
   // Row i of the run, held in `stage` (a constant: the loop below is unrolled by the stages), whose current use
   // has parity `phase`. The unrolled loop with the __syncwarp release below (it replaced 32 mbarrier arrivals and
-  // lane 0's wait on them) issues 320 / 366 instructions a V41 / V41_FP4 row instead of 335 / 379. H200, three
-  // alternating rounds: 65536 rows V41 / V41_FP4 34.1-34.2 / 42.1-42.6 -> 33.3-33.6 / 40.8-40.9 us, 2^20 rows 2 / 2.5 %
-  // faster, V4 within 1 %.
+  // lane 0's wait on them) issued 320 / 366 instructions a V41 / V41_FP4 row instead of 335 / 379 (the uniform warp
+  // index above then took them to 292 / 346). H200, three alternating rounds: 65536 rows V41 / V41_FP4 34.1-34.2 /
+  // 42.1-42.6 -> 33.3-33.6 / 40.8-40.9 us, 2^20 rows 2 / 2.5 % faster, V4 within 1 %.
   auto process_row = [&](int i, int stage, uint32_t phase) {
     const int32_t slot = __shfl_sync(kAll, slot_j, i);
     const float2 cs = cs_next;
