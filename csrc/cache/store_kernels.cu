@@ -28,10 +28,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
   // The slot's and the row's lines are prefetched before the wait (prefetches only, launch.cuh), and the row and its
   // table values load beside the slot instead of after its test (a skipped row reads them for nothing; a written
   // one saves a dependent trip). H100, three alternating rounds, bf16 rows, consecutive slots, 65536 / 131072 /
-  // 2^20 rows: V4 37.7-37.9 / 74.9-75.1 / 593 -> 36.1-36.2 / 70.3-70.4 / 546-547 us, V41_FP4 35.4-35.7 /
-  // 67.8-68.1 / 517 -> 33.9-34.1 / 64.8-65.1 / 491 us, V41 34.5-34.6 / 68.2-68.4 / 537-538 -> 34.7 / 67.2-67.6 /
-  // 524 us; at 1024 rows 10 % faster, at 1-256 rows up to 0.1 us slower. Without the prefetches the loads beside
-  // the slot alone left V4 level and made V41 5 % slower.
+  // 2^20 rows: V4 37.7-37.9 / 74.9-75.1 / 593 -> 36.1-36.2 / 70.3-70.4 / 546-547 us; V41_FP4 4.5 / 4.5 / 5 %
+  // faster; V41 0.4 % slower / 1.5 / 2.5 % faster; at 1024 rows 10 % faster, at 1-256 rows up to 0.1 us slower.
+  // Without the prefetches the loads beside the slot alone left V4 level and made V41 5 % slower.
   if (token < p.n) {
     if (lane == 0) prefetch_l2(p.slots.address(token));
     prefetch_l2(lane_row);
