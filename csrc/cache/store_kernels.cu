@@ -25,12 +25,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
   const char* lane_row =
       static_cast<const char*>(p.input.data) + (token * p.input.row_stride + lane * kLaneDims) * elem;
   const bool rope_lane = p.freqs != nullptr && lane >= kRopeFirstLane;
-  // The slot's and the row's lines are prefetched before the wait (prefetches only, launch.cuh), and the row and its
-  // table values load beside the slot instead of after its test (a skipped row reads them for nothing; a written
-  // one saves a dependent trip). H100, three alternating rounds, bf16 rows, consecutive slots, 65536 / 131072 /
-  // 2^20 rows: V4 37.7-37.9 / 74.9-75.1 / 593 -> 36.1-36.2 / 70.3-70.4 / 546-547 us; V41_FP4 4.5 / 4.5 / 5 %
-  // faster; V41 0.4 % slower / 1.5 / 2.5 % faster; at 1024 rows 10 % faster, at 1-256 rows up to 0.1 us slower.
-  // Without the prefetches the loads beside the slot alone left V4 level and made V41 5 % slower.
+  // The slot's and the row's lines are prefetched into the L2 before the wait (prefetches only, launch.cuh), so
+  // that the row's DRAM trip no longer follows the slot's. H100, three alternating rounds, bf16 rows, consecutive
+  // slots, 65536 / 131072 / 2^20 rows, against no prefetch: V4 4 / 6.5 / 8 % faster, V41_FP4 7 / 7.5 / 8 %, V41
+  // level / 2 / 2.7 %. Loading the row beside the slot as well, before its test, gained nothing more for V4 and
+  // V41 and cost V41_FP4 3 % (H100); on an H200 that build ran V41 at 65536 rows 4 % slower than no prefetch.
   if (token < p.n) {
     if (lane == 0) prefetch_l2(p.slots.address(token));
     prefetch_l2(lane_row);
@@ -38,11 +37,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
   pdl_wait_dependencies();
   if (token >= p.n) return;
   const int64_t slot = p.slots[token];
+  if (!p.cache.valid(slot)) return;
   float x[kLaneDims];
   load_widen<kLaneDims, InputFp32>(lane_row, x);
   float f[kLaneDims];
   if (rope_lane) load_widen<kLaneDims, true>(p.freqs + token * kRopeDim + (lane - kRopeFirstLane) * kLaneDims, f);
-  if (!p.cache.valid(slot)) return;
   if (rope_lane) {
     // V41 / V41_FP4 with per-row freqs_cis: rotate the tail, round to the activation dtype.
 #pragma unroll
@@ -73,9 +72,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_indexer_kernel(Stor
       static_cast<const char*>(p.input.data) + (token * p.input.row_stride + sub * kIndexerGroupLaneDims) * elem;
   pdl_wait_dependencies();
   if (token >= p.n) return;  // whole 8-lane groups leave together
-  // The row loads beside the slot, as in store_main_kernel, but without the prefetches before the wait: with them
-  // fp8 ran 4 % slower at 65536-131072 rows and both formats up to 0.1 us slower at 1-256 rows (H100); without
-  // them fp8 is level and fp4 2-4 % faster at 65536-131072 rows.
+  // Unlike store_main_kernel, the row loads beside the slot, before its test, and nothing is prefetched before the
+  // wait. H100, against loading after the test: fp8 level, fp4 2-4 % faster at 65536-131072 rows; adding
+  // store_main_kernel's prefetches made fp8 4 % slower there and both formats up to 0.1 us slower at 1-256 rows.
   const int64_t slot = p.slots[token];
   float x[kIndexerGroupLaneDims];
   load_widen<kIndexerGroupLaneDims, InputFp32>(lane_row, x);
