@@ -40,10 +40,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) store_main_kernel(StorePa
   if (!p.cache.valid(slot)) return;
   float x[kLaneDims];
   load_widen<kLaneDims, InputFp32>(lane_row, x);
-  float f[kLaneDims];
-  if (rope_lane) load_widen<kLaneDims, true>(p.freqs + token * kRopeDim + (lane - kRopeFirstLane) * kLaneDims, f);
   if (rope_lane) {
     // V41 / V41_FP4 with per-row freqs_cis: rotate the tail, round to the activation dtype.
+    float f[kLaneDims];
+    load_widen<kLaneDims, true>(p.freqs + token * kRopeDim + (lane - kRopeFirstLane) * kLaneDims, f);
 #pragma unroll
     for (int j = 0; j < kLaneDims; j += 2) {
       rotate_pair(x[j], x[j + 1], f[j], f[j + 1]);
