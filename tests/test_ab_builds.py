@@ -80,3 +80,18 @@ def test_a_missing_build_is_refused(tmp_path):
         ab_builds.main(["--build", f"a={BUILT}", "--build", f"b={tmp_path / 'none.so'}", "store_v41:64"])
     with pytest.raises(SystemExit):
         ab_builds.main(["--build", f"a={BUILT}", "store_v41:64"])
+
+
+def test_ab_decode_rejects_bad_cases_and_builds(tmp_path):
+    # The decode A/B (benchmarks/ab_decode.py) times graph replays and so needs a GPU; on the CPU its argument
+    # checks must still name what is wrong before anything is staged.
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "benchmarks.ab_decode", *args], cwd=str(tmp_path), env=_cpu_env(),
+                              capture_output=True, text=True, timeout=120)
+
+    bad_case = run("--build", f"a={BUILT}", "--build", f"b={BUILT}", "c8:64")
+    assert bad_case.returncode == 2 and "c128:1,8,64" in bad_case.stderr, bad_case.stderr
+    no_sizes = run("--build", f"a={BUILT}", "--build", f"b={BUILT}", "c128")
+    assert no_sizes.returncode == 2 and "'c128'" in no_sizes.stderr, no_sizes.stderr
+    one_build = run("--build", f"a={BUILT}", "c128:64")
+    assert one_build.returncode == 2 and "at least two --build" in one_build.stderr, one_build.stderr
