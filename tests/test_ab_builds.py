@@ -93,5 +93,8 @@ def test_ab_decode_rejects_bad_cases_and_builds(tmp_path):
     assert bad_case.returncode == 2 and "c128:1,8,64" in bad_case.stderr, bad_case.stderr
     no_sizes = run("--build", f"a={BUILT}", "--build", f"b={BUILT}", "c128")
     assert no_sizes.returncode == 2 and "'c128'" in no_sizes.stderr, no_sizes.stderr
-    one_build = run("--build", f"a={BUILT}", "c128:64")
+    bad_layout = run("--build", f"a={BUILT}", "--build", f"b={BUILT}", "c2.v5:64")
+    assert bad_layout.returncode == 2 and "'c2.v5:64'" in bad_layout.stderr, bad_layout.stderr
+    # A low-ratio case passes the case check, so the build check is what stops this one.
+    one_build = run("--build", f"a={BUILT}", "c128:64", "c2v.v41_fp4:8")
     assert one_build.returncode == 2 and "at least two --build" in one_build.stderr, one_build.stderr
