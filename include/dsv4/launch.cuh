@@ -36,8 +36,8 @@ __device__ __forceinline__ T load_input(const T* address) {
 // per call at 8 to 256 rows.) The words' XOR guards a prefetch of `any_line` (a global address the kernel
 // may touch anyway) so that the loads are not optimized away. Used where an A/B run on the H200 gained: c1 /
 // c2, c4 decode, the planners and the main writer kernel (notes/perf.md). Not in c128 decode (0.2 us slower
-// at 64 rows, unexplained) nor in the indexer writer (1.5 % slower at 65536 rows, nothing gained at decode
-// sizes).
+// at 64 rows with hot replays; 3-6 % slower at 1-64 rows from a cold L2 too, H100; unexplained) nor in the
+// indexer writer (1.5 % slower at 65536 rows, nothing gained at decode sizes).
 template <class Params>
 __device__ __forceinline__ void warm_params(const Params& p, const void* any_line) {
   uint32_t x = 0;
