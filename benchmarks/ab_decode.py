@@ -1,15 +1,14 @@
-"""Times two or more builds of the extension against each other on the compressor decode benchmark:
+"""Times two or more builds of the extension against each other on the compressor decode benchmarks:
 
-    python3 -m benchmarks.ab_decode --build main=A.so --build new=B.so [--rounds 3] c128:1,8,64 c4:64 ...
+    python3 -m benchmarks.ab_decode --build main=A.so --build new=B.so [--rounds 3] c128:1,8,64 c4:64 c2.v41:256 ...
 
 Each CASE is a `compress_forward` decode configuration of benchmarks/bench_compress.py (c4, c4_d128, c128), or
 a ratio-1 / ratio-2 one of benchmarks/bench_low_ratio.py for a main layout (c1.v4, c2.v41, c2v.v41_fp4, ...; c2v
 is verify with 4 drafts, its sizes in requests), with the batch sizes to time, which are timed as those
 benchmarks time them: 64 calls over rotating input sets, replayed from one CUDA graph that starts from a cold L2
-(the rings cold, the inputs hot). benchmarks.ab_builds
-times single calls, in which launch latency and the PDL overlap between calls that decode sizes turn on do
-not show. Builds run in alternating order, each (round, build) in a fresh process, as in ab_builds; prints
-ab_builds' table, after every round.
+(the rings cold, the inputs hot). benchmarks.ab_builds times single calls, in which launch latency and the PDL
+overlap between calls that decode sizes turn on do not show. Builds run in alternating order, each (round,
+build) in a fresh process, as in ab_builds; prints ab_builds' table, after every round.
 """
 from __future__ import annotations
 
