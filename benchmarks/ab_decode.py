@@ -24,8 +24,8 @@ from .ab_builds import REPO, stage, table
 
 RESULT_PREFIX = "ab_decode result: "
 CONFIGS = {"c4": (4, 512, 16), "c4_d128": (4, 128, 16), "c128": (128, 512, 256)}  # as bench_compress.CASES
-LOW_RATIO = {"c1": 0, "c2": 0, "c2v": 4}  # the op's draft length (bench_low_ratio.VERIFY_DRAFT for verify)
-LAYOUTS = ("v4", "v41", "v41_fp4")  # KVLayout.str_name
+LOW_RATIO = ("c1", "c2", "c2v")  # c2v: c2 verify with bench_low_ratio.VERIFY_DRAFT drafts
+LAYOUTS = ("v4", "v41", "v41_fp4")  # KVLayout.str_name, spelled out so that parsing needs no torch
 
 
 def known_names() -> List[str]:
@@ -41,21 +41,19 @@ def parse_case(text: str):
 
 def time_low_ratio(bench, name: str, sizes) -> List[float]:
     """Per-call times (us) of a c1 / c2 case at each size, as benchmarks.bench_low_ratio times them."""
-    import torch
     import sgl_dsv4_kernels as dsv4
     from benchmarks import bench_low_ratio as br
 
     op, _, layout_name = name.partition(".")
     layout = next(layout for layout in dsv4.KVLayout if layout.str_name == layout_name)
-    table = dsv4.precompute_rope_table(64, br.MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).to(br.DEVICE)
-    weight = torch.randn(512, device=br.DEVICE).to(torch.bfloat16)
+    table, weight = br.table_and_weight()
     rows: List[Dict] = []
     if op == "c1":
         br.DECODE_SIZES = sizes
         br._bench_c1(bench, rows, layout, weight, table, False)
     else:
         br.DECODE_SIZES = br.VERIFY_SIZES = sizes
-        br._bench_c2(bench, rows, layout, weight, table, False, draft_len=LOW_RATIO[op])
+        br._bench_c2(bench, rows, layout, weight, table, False, draft_len=br.VERIFY_DRAFT if op == "c2v" else 0)
     return [r["us"] for r in rows]
 
 

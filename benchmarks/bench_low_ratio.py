@@ -182,9 +182,14 @@ def _bench_c2_prefill(bench, results, layout, weight, table, with_torch):
         del kv, state
 
 
-def run(bench: Bench, results, with_torch=True) -> None:
+def table_and_weight():
+    """The RoPE table and the bf16 norm weight that every case uses."""
     table = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).to(DEVICE)
-    weight = torch.randn(512, device=DEVICE).to(torch.bfloat16)
+    return table, torch.randn(512, device=DEVICE).to(torch.bfloat16)
+
+
+def run(bench: Bench, results, with_torch=True) -> None:
+    table, weight = table_and_weight()
     for layout in KVLayout:
         print(f"low_ratio: {layout.str_name}")
         _bench_c1(bench, results, layout, weight, table, with_torch)
