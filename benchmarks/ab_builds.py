@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "sgl_dsv4_kernels"
@@ -71,20 +71,53 @@ def worker(case_texts: List[str], iters: int) -> None:
     print(RESULT_PREFIX + json.dumps(medians))
 
 
-def run_round(staged: str, case_texts: List[str], iters: int) -> Dict[str, float]:
+def run_worker(module: str, staged: str, worker_args: List[str], prefix: str) -> Dict[str, float]:
+    """Runs `python -m module --worker *worker_args` on the build staged in `staged` and returns the times its
+    last line starting with `prefix` gives; stops when the run fails or loaded another copy of the module."""
+    tool = module.rpartition(".")[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([staged, REPO]))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.ab_builds", "--worker", "--iters", str(iters),
-                           *case_texts], capture_output=True, text=True, env=env, cwd=staged)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    proc = subprocess.run([sys.executable, "-m", module, "--worker", *worker_args], capture_output=True, text=True,
+                          env=env, cwd=staged)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"ab_builds: the run in {staged} failed (exit {proc.returncode}):\n"
+        raise SystemExit(f"{tool}: the run in {staged} failed (exit {proc.returncode}):\n"
                          f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     if staged not in proc.stderr:
-        raise SystemExit(f"ab_builds: the run in {staged} did not load its own module:\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+        raise SystemExit(f"{tool}: the run in {staged} did not load its own module:\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1][len(prefix):])
 
 
-def table(names: List[str], case_texts: List[str], times: Dict[str, Dict[str, List[float]]]) -> str:
+def parse_builds(parser: argparse.ArgumentParser, build_args: List[str]) -> List[Tuple[str, str]]:
+    """The (name, path) of every --build NAME=PATH.so; at least two, each an existing file, names distinct."""
+    builds = [b.partition("=") for b in build_args]
+    if len(builds) < 2 or any(not sep or not os.path.isfile(path) for _, sep, path in builds):
+        parser.error("give at least two --build NAME=PATH.so, each an existing file")
+    if len({name for name, _, _ in builds}) != len(builds):
+        parser.error("the builds' names must differ")
+    return [(name, path) for name, _, path in builds]
+
+
+Times = Dict[str, Dict[str, List[float]]]  # build name -> case -> one time (us) per round
+
+
+def alternating_rounds(builds: List[Tuple[str, str]], rounds: int, run: Callable[[str], Dict[str, float]],
+                       after_round: Callable[[int, Times], None] = lambda done, times: None) -> Times:
+    """Stages every build, then per round calls run(staged directory) for each build in turn, in reverse order
+    every other round, and collects the times it returns per case; after_round(rounds done, times so far)
+    follows each round."""
+    names = [name for name, _ in builds]
+    times: Times = {name: {} for name in names}
+    with tempfile.TemporaryDirectory(prefix="ab_") as tmp:
+        staged = {name: stage(path, os.path.join(tmp, name)) for name, path in builds}
+        for r in range(rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                for case, us in run(staged[name]).items():
+                    times[name].setdefault(case, []).append(us)
+            after_round(r + 1, times)
+    return times
+
+
+def table(names: List[str], case_texts: List[str], times: Times) -> str:
     """Markdown: per case, each build's min-max over the rounds, and its median over the first build's."""
     head = "| case | " + " | ".join(f"{n} us" for n in names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:])
     lines = [head + " |", "|---" * (1 + 2 * len(names) - 1) + "|"]
@@ -107,19 +140,11 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.cases, args.iters)
         return 0
-    builds = [b.partition("=") for b in args.build]
-    if len(builds) < 2 or any(not sep or not os.path.isfile(path) for _, sep, path in builds):
-        parser.error("give at least two --build NAME=PATH.so, each an existing file")
-    names = [name for name, _, _ in builds]
-    if len(set(names)) != len(names):
-        parser.error("the builds' names must differ")
-    times: Dict[str, Dict[str, List[float]]] = {n: {c: [] for c in args.cases} for n in names}
-    with tempfile.TemporaryDirectory(prefix="ab_builds_") as tmp:
-        staged = {name: stage(path, os.path.join(tmp, name)) for name, _, path in builds}
-        for r in range(args.rounds):
-            for name in (names if r % 2 == 0 else names[::-1]):
-                for case, us in run_round(staged[name], args.cases, args.iters).items():
-                    times[name][case].append(us)
+    builds = parse_builds(parser, args.build)
+    worker_args = ["--iters", str(args.iters), *args.cases]
+    times = alternating_rounds(builds, args.rounds,
+                               lambda staged: run_worker("benchmarks.ab_builds", staged, worker_args, RESULT_PREFIX))
+    names = [name for name, _ in builds]
     print(table(names, args.cases, times))
     return 0
 

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from typing import Dict, List
 
-from .ab_builds import REPO, stage, table
+from .ab_builds import Times, alternating_rounds, parse_builds, run_worker, table
 
 RESULT_PREFIX = "ab_decode result: "
 CONFIGS = {"c4": (4, 512, 16), "c4_d128": (4, 128, 16), "c128": (128, 512, 256)}  # as bench_compress.CASES
@@ -96,25 +93,14 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.cases)
         return 0
-    builds = [b.partition("=") for b in args.build]
-    if len(builds) < 2 or any(not sep or not os.path.isfile(path) for _, sep, path in builds):
-        parser.error("give at least two --build NAME=PATH.so, each an existing file")
-    names = [name for name, _, _ in builds]
-    times: Dict[str, Dict[str, List[float]]] = {n: {} for n in names}
-    with tempfile.TemporaryDirectory(prefix="ab_decode_") as tmp:
-        staged = {name: stage(path, os.path.join(tmp, name)) for name, _, path in builds}
-        for r in range(args.rounds):
-            for name in (names if r % 2 == 0 else names[::-1]):
-                env = dict(os.environ, PYTHONPATH=os.pathsep.join([staged[name], REPO]))
-                proc = subprocess.run([sys.executable, "-m", "benchmarks.ab_decode", "--worker", *args.cases],
-                                      capture_output=True, text=True, env=env, cwd=staged[name])
-                lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-                if proc.returncode != 0 or not lines or staged[name] not in proc.stderr:
-                    raise SystemExit(f"ab_decode: the run of {name} failed (exit {proc.returncode}):\n"
-                                     f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-                for case, us in json.loads(lines[-1][len(RESULT_PREFIX):]).items():
-                    times[name].setdefault(case, []).append(us)
-            print(f"after round {r + 1}:\n" + table(names, list(times[names[0]]), times), flush=True)
+    builds = parse_builds(parser, args.build)
+    names = [name for name, _ in builds]
+
+    def progress(done: int, times: Times) -> None:
+        print(f"after round {done}:\n" + table(names, list(times[names[0]]), times), flush=True)
+
+    alternating_rounds(builds, args.rounds,
+                       lambda staged: run_worker("benchmarks.ab_decode", staged, args.cases, RESULT_PREFIX), progress)
     return 0
 
 

@@ -80,6 +80,8 @@ def test_a_missing_build_is_refused(tmp_path):
         ab_builds.main(["--build", f"a={BUILT}", "--build", f"b={tmp_path / 'none.so'}", "store_v41:64"])
     with pytest.raises(SystemExit):
         ab_builds.main(["--build", f"a={BUILT}", "store_v41:64"])
+    with pytest.raises(SystemExit):  # two builds of one name would share a column
+        ab_builds.main(["--build", f"a={BUILT}", "--build", f"a={BUILT}", "store_v41:64"])
 
 
 def test_ab_decode_rejects_bad_cases_and_builds(tmp_path):
