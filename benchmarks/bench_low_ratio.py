@@ -15,7 +15,8 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout
 
 from . import torch_impls_low_ratio as torch_impls
-from .harness import DEVICE, torch_baseline_us, Bench, compiled, flat_copy_single_us, flat_copy_us, row
+from .harness import (DEVICE, MAX_POS, torch_baseline_us, Bench, compiled, flat_copy_single_us, flat_copy_us,
+                      rope_table, row)
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 VERIFY_SIZES = (8, 64, 256)  # requests; 4 draft rows each
@@ -25,7 +26,6 @@ PREFILL_REQUESTS = 8
 CALLS_PER_GRAPH = 64  # disjoint (input, state, slot) sets: bs 1024 replays > 2x L2 for both ops
 DECODE_CACHE_BYTES = 256 << 20  # destination slots rotate over a cache > 2x L2
 PAGE = 64
-MAX_POS = 65536
 EPS = 1e-6
 LATENT_BYTES = 512 * 2
 PAIR_ROW_BYTES = 1024 * 4
@@ -184,8 +184,7 @@ def _bench_c2_prefill(bench, results, layout, weight, table, with_torch):
 
 def table_and_weight():
     """The RoPE table and the bf16 norm weight that every case uses."""
-    table = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).to(DEVICE)
-    return table, torch.randn(512, device=DEVICE).to(torch.bfloat16)
+    return rope_table(), torch.randn(512, device=DEVICE).to(torch.bfloat16)
 
 
 def run(bench: Bench, results, with_torch=True) -> None:

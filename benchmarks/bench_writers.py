@@ -19,7 +19,8 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import IndexerFormat, KVLayout
 
 from . import torch_impls_writers as torch_impls
-from .harness import DEVICE, torch_baseline_us, Bench, compiled, flat_copy_single_us, row, scatter_rows_baseline
+from .harness import (DEVICE, MAX_POS, torch_baseline_us, Bench, compiled, flat_copy_single_us, rope_table, row,
+                      scatter_rows_baseline)
 
 DECODE_SIZES = (1, 8, 64, 256, 1024)
 LARGE_SIZES = (65536, 131072, 1 << 20)
@@ -27,7 +28,6 @@ MID_SIZES = (4096, 8192, 16384, 32768)  # prefill chunks: timed like the large s
 CALLS_PER_GRAPH = 64
 DECODE_CACHE_BYTES = 256 << 20  # destination slots rotate over a cache > 2x L2
 PAGE = 64
-MAX_POS = 65536
 RATIO = 4
 EPS = 1e-6
 TABLE_ROW_BYTES = 256
@@ -159,7 +159,7 @@ def _large(bench, results, op, fmt, table, with_torch):
 
 
 def run(bench: Bench, results, ops=("k_writer", "compress"), with_torch=True) -> None:
-    table = dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).to(DEVICE)
+    table = rope_table()
     for op, fmt in CASES:
         if op not in ops:
             continue

@@ -21,20 +21,12 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import IndexerFormat, KVLayout
 
 from . import bench_cache as kv, bench_compress as bc, bench_low_ratio as lr, bench_writers as wr
-from .harness import DEVICE
-
-_TABLE = []  # the RoPE table, built on first use
-
-
-def _table() -> torch.Tensor:
-    if not _TABLE:
-        _TABLE.append(dsv4.precompute_rope_table(64, 65536, 65536, 160000.0, 16.0, 32.0, 1.0).to(DEVICE))
-    return _TABLE[0]
+from .harness import DEVICE, rope_table
 
 
 def writer(op, fmt, n, prefill=False):
     cache = wr._cache(fmt, n)
-    a = wr._inputs(op, fmt, torch.arange(n, device=DEVICE), _table(), prefill=prefill)
+    a = wr._inputs(op, fmt, torch.arange(n, device=DEVICE), rope_table(), prefill=prefill)
     call = wr._ours(op, fmt)
     return lambda: call(a, cache)
 
@@ -50,7 +42,7 @@ def low(op, n):
     cache = lr._cache(layout)
     cap = cache.shape[0] * lr.PAGE
     w = torch.randn(512, device=DEVICE).to(torch.bfloat16)
-    table = _table()
+    table = rope_table()
     if op == "c1":
         a = lr._c1_calls(n, cap, w, table)[0]
         return lambda: dsv4.c1_decode_norm_rope_store(a["kv"], a["weight"], a["positions"], a["out_loc"], 1e-6,
@@ -74,7 +66,7 @@ def c2_prefill(tokens, requests=8):
     extend = [torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in (starts, [per] * requests)]
     state = torch.randn((requests + 1) * ring, 1024, device=DEVICE)
     kv_rows = torch.randn(per * requests, 1024, device=DEVICE)
-    table = _table()
+    table = rope_table()
     return lambda: dsv4.c2_prefill_norm_rope_store(kv_rows, state, w, *args, 1e-6, table, cache, *extend,
                                                    page_size=lr.PAGE, ring_size=ring, layout=layout)
 

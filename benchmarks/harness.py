@@ -8,16 +8,27 @@ timed as the median of single calls timed with events, with the L2 flushed in be
 """
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+import sgl_dsv4_kernels as dsv4
+
 L2_FLUSH_BYTES = 256 << 20  # several times the H200's 50-60 MB L2
 # Where the benchmarks put their tensors: a GPU for every real run; "cpu" only for the smoke run of the
 # benchmark code itself (tests/test_bench_smoke.py), whose times mean nothing.
 DEVICE = os.environ.get("DSV4_BENCH_DEVICE", "cuda")
+MAX_POS = 65536  # the positions the writer benchmarks draw lie below this: the RoPE table's length
+
+
+@functools.lru_cache(maxsize=1)
+def rope_table() -> torch.Tensor:
+    """The RoPE table every writer benchmark uses (DeepSeek-V4's rope dim 64 and YaRN parameters), on DEVICE;
+    built once per process."""
+    return dsv4.precompute_rope_table(64, MAX_POS, 65536, 160000.0, 16.0, 32.0, 1.0).to(DEVICE)
 
 
 class Bench:
