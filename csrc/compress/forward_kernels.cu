@@ -560,13 +560,16 @@ __device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t
       const int64_t row = base + j * kC128Threads + threadIdx.x;
       seq_len[j] = row < p.plan_rows ? *reinterpret_cast<const uint32_t*>(p.plan + row * kPlanRowBytes) : 0;
     }
-    uint32_t mask[kRowsPerThread];
+    uint32_t mask[kRowsPerThread], any = 0;
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
       mask[j] = __ballot_sync(0xFFFFFFFFu, decode_emits(seq_len[j], 128));
       if (lane == 0) warp_counts[j][warp] = __popc(mask[j]);
+      any |= mask[j];
     }
-    __syncthreads();
+    // Most slices close no row (one row in 128 closes): they skip the ranking, and as no thread then reads
+    // warp_counts or writes mine, they need no second barrier.
+    if (!__syncthreads_or(any != 0)) continue;
     uint32_t before = seen;  // closing rows before row base + j·256 + warp·32, at sub-slice j
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
@@ -582,7 +585,7 @@ __device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t
       }
     }
     seen = before;
-    __syncthreads();  // the next slice rewrites warp_counts
+    __syncthreads();  // the next slice rewrites warp_counts; the pooling below reads mine
   }
   // owned_below(seen) <= ceil(rows / pool_blocks) <= kC128MaxPooledRows (c128_pool_blocks).
   const int count = int(owned_below(seen));
