@@ -568,7 +568,8 @@ __device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t
       any |= mask[j];
     }
     // Most slices close no row (one row in 128 closes): they skip the ranking, and as no thread then reads
-    // warp_counts or writes mine, they need no second barrier.
+    // warp_counts or writes mine, they need no second barrier. H100, graph replay, 1 / 8 / 64 rows: 1.83 /
+    // 1.78 / 2.69 -> 1.60 / 1.54 / 2.59 us.
     if (!__syncthreads_or(any != 0)) continue;
     uint32_t before = seen;  // closing rows before row base + j·256 + warp·32, at sub-slice j
 #pragma unroll
