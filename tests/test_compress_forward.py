@@ -438,13 +438,13 @@ def _reference_writer():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", list(dsv4.KVLayout), ids=lambda l: l.str_name)
 @pytest.mark.parametrize("ratio", [4, 128])
-def test_sequence_plan_compress_store_dequant(device, ratio):
+def test_sequence_plan_compress_store_dequant(device, ratio, layout):
     """Several steps (prefill, decode across a boundary, extend) through the whole chain, against the
-    reference planner, compressor, writer and dequantizer."""
+    reference planner, compressor, writer and dequantizer, for each main cache layout."""
     ref_store = _reference_writer()
     D, ring, page = 512, (16 if ratio == 4 else 256), 64
-    layout = dsv4.KVLayout.V4
     e = Engine(ratio, D, ring, paged=ratio == 4, num_requests=2, max_tokens=2048, device=device, seed=("seq", ratio))
     table = dsv4.precompute_rope_table(64, 4096, 65536, 160000.0, 16.0, 32.0, 1.0)
     weight = torch.randn(D, generator=gen("seq-w")).bfloat16()

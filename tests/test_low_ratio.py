@@ -17,6 +17,7 @@ import sgl_dsv4_kernels as dsv4
 from sgl_dsv4_kernels import KVLayout
 from sgl_dsv4_kernels import reference as R
 
+from norm_orders import WRONG_NORM_ORDERS, pinned_ss, y_from_ss
 from samples import huge_cpu_tensor, overlapping_rows
 
 torch.set_flush_denormal(False)
@@ -842,6 +843,94 @@ def test_c1_padded_rows_touch_nothing(device):
     assert_same(case["buf"], buf0, "cache")
     ref = R.rms_norm_fp32(case["kv_input"].cpu(), case["norm_weight"].cpu(), EPS).to(torch.bfloat16)
     torch.testing.assert_close(latent.cpu().float(), ref.float(), **LATENT_TOL)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The norm's order (§1.6: cache-writers.md §1.2) on rows chosen to expose a wrong one
+
+
+_LATENT_ORDER_ROWS = {}
+
+
+# The wrong orders that can change a c1 / c2 norm: the FMA-contracted ones of norm_orders cannot, since the rows
+# normed are bf16 (c1's input, c2's bf16(pooled)), whose squares are exact in fp32.
+LATENT_WRONG_ORDERS = ("sequential", "adjacent_pairs")
+
+
+def latent_order_rows(per_order: int = 2):
+    """Per wrong order of LATENT_WRONG_ORDERS, `per_order` pairs (x, w): a bf16 row x [1, 512] and a bf16 norm
+    weight w whose bf16 latent bf16((x * r) * w) under the pinned sum of squares differs from that under the wrong
+    one. The rows span 2^12 in magnitude, so that the orders round differently; w is random but at one dim k, where
+    a bf16 weight is picked that puts x_k * r * w_k and its wrong-order twin on either side of a bf16 rounding
+    edge."""
+    if _LATENT_ORDER_ROWS:
+        return _LATENT_ORDER_ROWS
+    g = gen(77)
+    n = 64
+    x = torch.randn(n, 512, generator=g) * torch.exp2(torch.randint(-12, 1, (n, 512), generator=g).float())
+    x = x.to(torch.bfloat16).float()
+    base_w = norm_weight(78).float()
+    weights = torch.arange(0x3F00, 0x4000, dtype=torch.int16).view(torch.bfloat16).float()  # every bf16 in [0.5, 2)
+    latent = lambda rows, w, ss: y_from_ss(rows, w, EPS, ss).to(torch.bfloat16)  # noqa: E731
+    ss = pinned_ss(x)
+    for name in LATENT_WRONG_ORDERS:
+        wrong_ss = WRONG_NORM_ORDERS[name]
+        ss_wrong = wrong_ss(x)
+        found = []
+        for i in range(n):
+            # x_k * r under each order, times every candidate weight ([512, 256]).
+            a = y_from_ss(x[i:i + 1], 1.0, EPS, ss[i:i + 1])[0].unsqueeze(1) * weights
+            b = y_from_ss(x[i:i + 1], 1.0, EPS, ss_wrong[i:i + 1])[0].unsqueeze(1) * weights
+            flips = (a.to(torch.bfloat16) != b.to(torch.bfloat16)).nonzero()
+            if flips.numel():
+                k, j = flips[0].tolist()
+                w = base_w.clone()
+                w[k] = weights[j]
+                found.append((x[i:i + 1].to(torch.bfloat16), w.to(torch.bfloat16)))
+            if len(found) == per_order:
+                break
+        assert len(found) == per_order, f"{name}: only {len(found)} rows expose it"
+        # The rows are the ones meant: the pinned order's latent differs from the wrong one's.
+        for row, w in found:
+            r32, w32 = row.float(), w.float()
+            assert not torch.equal(latent(r32, w32, pinned_ss(r32)), latent(r32, w32, wrong_ss(r32))), name
+        _LATENT_ORDER_ROWS[name] = found
+    return _LATENT_ORDER_ROWS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["c1", "c2"])
+def test_norm_order_exposing_rows(device, op):
+    """c1 and c2 on rows whose bf16 latent under the §1.2 order differs from that under a sequential sum or adjacent
+    pairing: a kernel reducing in either order fails here. Latent and cache bytes
+    against the reference op. c2 runs a verify block of two rows, each the same kv with equal scores: the odd row
+    pools to that kv exactly (§1.5), so its latent is the norm of the chosen row."""
+    layout, page_size, slot, position = KVLayout.V41, 64, 5, 101
+    for name, rows in latent_order_rows().items():
+        for x, w in rows:
+            what = f"{op}, {name}"
+            cache, _ = make_cache(layout, page_size, 2, 7, device)
+            ref_cache = cache.cpu().clone()
+            if op == "c1":
+                args = (x, w, idx([position], torch.int64, "cpu"), idx([slot], torch.int64, "cpu"))
+                got = dsv4.c1_decode_norm_rope_store(*(t.to(device) for t in args), EPS, TABLE.to(device), cache,
+                                                     page_size=page_size, layout=layout)
+                want = R.c1_decode_norm_rope_store(*args, EPS, TABLE, ref_cache, page_size, int(layout))
+            else:
+                setup = C2Setup(layout, page_size, ring=4, owners=2, seed=7, device=device)
+                setup.weight = w.to(device)
+                setup.cache = cache
+                kv = torch.cat([x.float(), torch.zeros(1, 512)], dim=1).repeat(2, 1)
+                positions, req, raw = (idx(v, torch.int64, "cpu") for v in ([position - 1, position], [1, 1],
+                                                                           [2 * slot, 2 * slot + 1]))
+                ref_state = setup.state.cpu().clone()
+                got = setup.call(kv.to(device), positions.to(device), req.to(device), raw.to(device), draft_len=2)[1:]
+                want = setup.reference(kv, positions, req, raw, ref_state, ref_cache, draft_len=2)[1:]
+            assert_bits_equal(got, want, f"{what}: latent")
+            # The reference's latent is the pinned order's, which the wrong order's is not (latent_order_rows).
+            pinned = y_from_ss(x.float(), w.float(), EPS, pinned_ss(x.float())).to(torch.bfloat16)
+            assert_bits_equal(want, pinned, f"{what}: the reference's latent is the pinned order's")
+            assert_same(cache, ref_cache, f"{what}: cache bytes")
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from sgl_dsv4_kernels import IndexerFormat, KVLayout
 from sgl_dsv4_kernels import reference as ref
 from sgl_dsv4_kernels.rope import _yarn_correction_dim
 
+from norm_orders import WRONG_NORM_ORDERS, pinned_ss, y_from_ss
 from samples import run_with_pdl_off_and_on
 
 HAS_CUDA = torch.cuda.is_available()
@@ -730,73 +731,7 @@ def test_norm_order_pin_through_ops(device, variant):
     assert_same_bytes(cache, _pin_expected(fmt, y, slot, page_size, k_writer=False), "compress writer")
 
 
-# §1.2 order through the ops on rows chosen to expose a wrong order. The test's own sums of squares: the
-# pinned order (to build the rows; the op is compared with the reference op) and the wrong orders a kernel
-# could plausibly use instead.
-
-
-def _halve(q: torch.Tensor) -> torch.Tensor:
-    """Pairwise halving of the last dim: q_j <- q_j + q_{j+h} for h = n/2, n/4, ..., 1; keeps a dim of 1."""
-    while q.shape[-1] > 1:
-        h = q.shape[-1] // 2
-        q = q[..., :h] + q[..., h:]
-    return q
-
-
-def _pinned_ss(x):
-    return _halve(_halve((x * x).reshape(x.shape[0], 32, -1))[..., 0])[..., 0]
-
-
-def _sequential_ss(x):
-    q = x * x
-    s = q[:, 0]
-    for i in range(1, q.shape[1]):
-        s = s + q[:, i]
-    return s
-
-
-def _adjacent_pairs_ss(x):
-    q = x * x
-    while q.shape[-1] > 1:
-        q = q[:, 0::2] + q[:, 1::2]
-    return q[:, 0]
-
-
-def _fma32(a, b):
-    """fp32 fma(a, a, b), correctly rounded: a*a + b is summed in float64 with its TwoSum error, rounded to odd
-    (53 >= 24 + 2 bits, so the final rounding to fp32 is the single rounding of the exact value)."""
-    a2, b = a.double() * a.double(), b.double()  # a*a is exact in float64
-    s = a2 + b
-    bv = s - a2
-    err = (a2 - (s - bv)) + (b - bv)
-    toward = torch.where(err > 0, torch.inf, -torch.inf).double()
-    s = torch.where((err != 0) & (s.view(torch.int64) & 1 == 0), torch.nextafter(s, toward), s)
-    return s.float()
-
-
-def _fma_contracted_ss(x, fused):
-    """The pinned order with the first in-lane add contracted with one of its squares: q_j = fma(x_j, x_j,
-    x_{j+h}^2) ("low") or fma(x_{j+h}, x_{j+h}, x_j^2) ("high"), as a compiler contracts x0*x0 + x8*x8."""
-    g = x.reshape(x.shape[0], 32, -1)
-    h = g.shape[-1] // 2
-    lo, hi = g[..., :h], g[..., h:]
-    q = _fma32(lo, hi * hi) if fused == "low" else _fma32(hi, lo * lo)
-    return _halve(_halve(q)[..., 0])[..., 0]
-
-
-WRONG_NORM_ORDERS = {
-    "sequential": _sequential_ss,
-    "adjacent_pairs": _adjacent_pairs_ss,
-    "fma_low": lambda x: _fma_contracted_ss(x, "low"),
-    "fma_high": lambda x: _fma_contracted_ss(x, "high"),
-}
-
-
-def _y_from_ss(x, w, eps, ss):
-    """§1.2 scale and output from a given sum of squares (rms_norm_fp32 once ss is known)."""
-    ms = ss / x.shape[1]
-    r = torch.reciprocal(torch.sqrt((ms + torch.full_like(ms, eps)).double()).float())
-    return (x * r.unsqueeze(1)) * w
+# §1.2 order through the ops on rows chosen to expose a wrong order (the orders: norm_orders.py).
 
 
 def _quantizer_input(writer, variant, y, table_rows):
@@ -862,7 +797,7 @@ def _norm_order_rows(writer, variant, per_order=2):
     x = torch.randn(n, d, generator=gen) * torch.exp2(torch.randint(-12, 1, (n, d), generator=gen).float())
     base_w = torch.randn(d, generator=gen).to(torch.bfloat16).float()
     pos = torch.randint(0, MAX_POS, (n,), generator=gen)
-    ss = _pinned_ss(x)
+    ss = pinned_ss(x)
     r = lambda s: torch.reciprocal(torch.sqrt((s / d + torch.full_like(s, eps)).double()).float())  # noqa: E731
     selected = {}
     for name, wrong_ss in WRONG_NORM_ORDERS.items():
@@ -883,10 +818,10 @@ def _norm_order_rows(writer, variant, per_order=2):
             cand_rows.append(rows)
         cand_rows, cand_w = torch.cat(cand_rows), torch.cat(cand_w)
         xs, table_rows = x[cand_rows], TABLE[pos[cand_rows]]
-        good = _row_bytes(variant, _quantizer_input(writer, variant, _y_from_ss(xs, cand_w, eps, ss[cand_rows]),
+        good = _row_bytes(variant, _quantizer_input(writer, variant, y_from_ss(xs, cand_w, eps, ss[cand_rows]),
                                                     table_rows))
         bad = _row_bytes(variant, _quantizer_input(writer, variant,
-                                                   _y_from_ss(xs, cand_w, eps, ss_wrong[cand_rows]), table_rows))
+                                                   y_from_ss(xs, cand_w, eps, ss_wrong[cand_rows]), table_rows))
         hits = (good != bad).any(1).nonzero().flatten()[:per_order].tolist()
         assert len(hits) == per_order, f"{name}: only {len(hits)} rows expose it"
         selected[name] = [(xs[i: i + 1], cand_w[i], int(pos[cand_rows[i]]), ss_wrong[cand_rows[i]: cand_rows[i] + 1])
@@ -927,9 +862,9 @@ def test_norm_order_exposing_rows_through_ops(device, writer, variant):
             assert_same_bytes(cache, expected, what)
             # The row is the one meant: the test's §1.6 chain reproduces the reference, and a wrong order does not.
             table_row = TABLE[p].unsqueeze(0)
-            for ss, should_match in ((_pinned_ss(x), True), (ss_wrong, False)):
+            for ss, should_match in ((pinned_ss(x), True), (ss_wrong, False)):
                 stored = poison.clone()
-                _store_values(variant, stored, _quantizer_input(writer, variant, _y_from_ss(x, w, eps, ss), table_row),
+                _store_values(variant, stored, _quantizer_input(writer, variant, y_from_ss(x, w, eps, ss), table_row),
                               slot, page_size)
                 assert torch.equal(stored, expected) == should_match, what
 
@@ -1390,7 +1325,7 @@ def test_opcheck_k_writer(device, layout):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["v4", "v41_fp4", "indexer_fp8", "indexer_fp4"])
+@pytest.mark.parametrize("variant", MAIN_VARIANTS + INDEXER_VARIANTS)
 @pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
 def test_opcheck_compress(device, variant, is_decode):
     indexer = variant.startswith("indexer")
@@ -1483,27 +1418,45 @@ def test_compile_compress_without_cache_clone(device, variant):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_compile_peak_memory_below_half_the_cache():
+@pytest.mark.parametrize("writer,variant", [("k_writer", "v4"), ("compress", "v41"), ("compress", "indexer_fp4")])
+def test_compile_peak_memory_below_half_the_cache(writer, variant):
+    """§7.3: compiled with the whole cache (>= 64 MiB) as a graph input, equal to eager, and the call's peak-memory
+    increase stays below half the cache (a clone of it would not)."""
     torch._dynamo.reset()
-    page_size, layout = 64, KVLayout.V4
-    pages = (64 << 20) // layout.page_bytes(page_size) + 1
-    cache = torch.zeros(pages, layout.page_bytes(page_size), dtype=torch.uint8, device="cuda")
+    page_size, n = 64, 256
+    fmt = _fmt(variant)
+    indexer = isinstance(fmt, IndexerFormat)
+    pages = (64 << 20) // fmt.page_bytes(page_size) + 1
+    cache = torch.zeros(pages, fmt.page_bytes(page_size), dtype=torch.uint8, device="cuda")
     table = _table("cuda")
+    gen = _gen("compile-peak", writer, variant)
+    kv, w, _ = _rows("general", gen, n, 128 if indexer else 512)
+    kv, w = kv.cuda(), w.cuda()
+    if writer == "k_writer":
+        pos = torch.arange(n, device="cuda")
+        loc = torch.randperm(pages * page_size, device="cuda")[:n]
 
-    def step(kv, w, pos, loc, cache):
-        dsv4.fused_k_norm_rope_flashmla(kv, w, 1e-6, table, pos, loc, cache, page_size=page_size, layout=layout)
+        def step(cache):
+            dsv4.fused_k_norm_rope_flashmla(kv, w, 1e-6, table, pos, loc, cache, page_size=page_size, layout=fmt)
+    else:
+        plan, loc = (t.cuda() for t in decode_case(gen, n, 4, pages * page_size, torch.int64))
 
+        def step(cache):
+            dsv4.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=table, out_loc=loc,
+                                          kvcache=cache, page_size=page_size,
+                                          layout=KVLayout.V4 if indexer else fmt, use_fp4=fmt is IndexerFormat.FP4,
+                                          compress_ratio=4, is_decode=True)
+
+    expected = cache.clone()
+    step(expected)
     compiled = torch.compile(step, fullgraph=True)
-    n = 256
-    kv = torch.randn(n, 512, device="cuda")
-    w = torch.ones(512, device="cuda")
-    pos = torch.arange(n, device="cuda")
-    loc = torch.randperm(pages * page_size, device="cuda")[:n]
-    compiled(kv, w, pos, loc, cache)  # compile outside the measurement
+    compiled(cache)  # compile outside the measurement
     torch.cuda.synchronize()
+    assert_same_bytes(cache, expected.cpu(), "compiled")
+    del expected
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    compiled(kv, w, pos, loc, cache)
+    compiled(cache)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < cache.numel() // 2
 
