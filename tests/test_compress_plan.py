@@ -441,15 +441,16 @@ def planner_call(device, e, rids, seq_lens, extend_lens, path="gpu"):
     return dsv4.plan_compress_prefill(rid_t, L_t, E_t, r2t, f2s, num_q_tokens=sum(extend_lens), **e.plan_kwargs())
 
 
-RESIDENCY = [(4, 16, True), (4, 16, False), (128, 256, False)]
+RESIDENCY = [(4, 16, True), (4, 16, False), (128, 256, False), (4, 32, True), (128, 384, False)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("ratio,ring,paged", RESIDENCY, ids=["c4-paged", "c4-reqring", "c128"])
+@pytest.mark.parametrize("ratio,ring,paged", RESIDENCY,
+                         ids=["c4-paged", "c4-reqring", "c128", "c4-paged-ring32", "c128-ring384"])
 @pytest.mark.parametrize("bs", [1, 3])
 def test_ring_residency_under_speculation(device, ratio, ring, paged, bs):
-    """Every verify writes all of [prefix, prefix + D_v) for D_v up to capacity, including D_v > 4
-    (the historical bug: a pad hard-coded for 4 drafts)."""
+    """Every verify writes all of [prefix, prefix + D_v) for D_v up to capacity, including D_v > 4 (the historical
+    bug: a pad hard-coded for 4 drafts) and rings wider than the default ones (26 and 258 drafts: no cap)."""
     e = Engine(ratio, 128 if ratio == 4 else 512, ring, paged=paged, num_requests=3, max_tokens=1024, device=device)
     max_d = capacity(ratio, ring)
     drafts = sorted({1, 2, 3, 4, 5, 6, 8, max_d - 1, max_d})
@@ -534,9 +535,11 @@ def test_65536_tokens_accepted(device, ratio, paged):
 def test_num_q_tokens_bound(device):
     one = torch.tensor([1], device=device)
     kw = dict(compress_ratio=128, ring_size=128, use_req_ring=True)
-    with pytest.raises(RuntimeError,
-                       match=r"plan_compress_prefill: num_q_tokens=65537 exceeds 65536 \(ragged ids are uint16\)"):
-        dsv4.plan_compress_prefill(one, one, one, num_q_tokens=65537, **kw)
+    for path in paths(device):
+        lengths = one.cpu() if path == "host" else one
+        with pytest.raises(RuntimeError, match=r"plan_compress_prefill: num_q_tokens=65537 exceeds 65536 "
+                                               r"\(ragged ids are uint16\)"):
+            dsv4.plan_compress_prefill(one, lengths, lengths, num_q_tokens=65537, **kw)
     pc = torch.empty(65537, 16, dtype=torch.uint8, device=device)
     pw = torch.empty(65537, 8, dtype=torch.uint8, device=device)
     with pytest.raises(RuntimeError, match="num_q_tokens=65537 exceeds 65536"):
@@ -548,8 +551,10 @@ def test_batch_size_bound(device):
     kw = dict(compress_ratio=4, ring_size=8, use_req_ring=True)
     for B in (65535, 65536):
         ones = torch.ones(B, dtype=torch.int32, device=device)
-        with pytest.raises(RuntimeError, match=f"plan_compress_prefill: batch_size={B}"):
-            dsv4.plan_compress_prefill(ones, ones, ones, num_q_tokens=B if B <= 65536 else 65536, **kw)
+        for path in paths(device):
+            lengths = ones.cpu() if path == "host" else ones
+            with pytest.raises(RuntimeError, match=f"plan_compress_prefill: batch_size={B}"):
+                dsv4.plan_compress_prefill(ones, lengths, lengths, num_q_tokens=B if B <= 65536 else 65536, **kw)
     ones = torch.ones(65534, dtype=torch.int32, device=device)
     p = dsv4.plan_compress_prefill(ones, ones, ones, num_q_tokens=65534, use_cuda_graph=True, **kw)
     assert p.plan_w.shape == (65534, 8)
