@@ -590,11 +590,15 @@ __device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t
   }
   // owned_below(seen) <= ceil(rows / pool_blocks) <= kC128MaxPooledRows (c128_pool_blocks).
   const int count = int(owned_below(seen));
+  if (count == 0) pdl_launch_dependents();  // it read no state
   for (int i = 0; i < count; ++i) {  // block-uniform
     const int64_t b = mine[i];
     const PoolWindow w = decode_window(load_decode_entry(p.plan + b * kPlanRowBytes), b, 128);
     float s[4][C128Layout<kChunk>::kSlots], v[4][C128Layout<kChunk>::kSlots];
     gather_c128_decode<kChunk, InBf16, StBf16, Vec>(p, w, chunk, s, v);
+    // The last window's ring loads, the block's last reads of the state (§4.6), are out: the next grid may start
+    // its prologue during the pooling.
+    if (i == count - 1) pdl_launch_dependents();
     const float4 out = pool_c128<kChunk>(s, v, part);
     if (threadIdx.x < kQuads) store4<InBf16, Vec>(p.out, b * p.head_dim + chunk + 4 * threadIdx.x, out);
   }
@@ -643,11 +647,11 @@ __device__ __forceinline__ void c128_decode(const ForwardParams& p, int pool_blo
   const int64_t chunk = int64_t(blockIdx.x % kChunks) * kC128DecodeChunk;
   pdl_wait_dependencies();
   if (role < pool_blocks) {
-    c128_decode_pool<InBf16, StBf16, Vec>(p, chunk, int(role), pool_blocks);
+    c128_decode_pool<InBf16, StBf16, Vec>(p, chunk, int(role), pool_blocks);  // triggers its dependents itself
   } else {
     c128_decode_copy<InBf16, StBf16, Vec>(p, chunk, role - pool_blocks);
+    pdl_launch_dependents();
   }
-  pdl_launch_dependents();
 }
 
 // Equal dtypes take 48-51 registers on sm_90 (55-64 on sm_100). Any minimum-blocks bound made ptxas use 64-80
