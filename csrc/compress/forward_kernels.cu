@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "forward_launch.h"
+#include "dsv4/divider.cuh"
 #include "dsv4/launch.cuh"
 #include "dsv4/quant.cuh"
 
@@ -245,8 +246,6 @@ struct C128Partials {
   alignas(16) float a[kC128Warps][kChunk];  // Σ v·exp(s − max)
 };
 
-__device__ __forceinline__ float max_of(float a, float b) { return b > a ? b : a; }
-
 // c128 slot layout: thread t pools channels chunk + 4·(t % Q) + [0, 4) of window slots
 // [S·(t / Q), S·(t / Q) + S), Q = kChunk / 4 threads per slot and S = 128·Q / 256 slots per thread.
 template <int kChunk>
@@ -318,23 +317,31 @@ __device__ float4 pool_c128(const float (&s)[4][C128Layout<kChunk>::kSlots],
   constexpr int kQuads = C128Layout<kChunk>::kQuads, kSlots = C128Layout<kChunk>::kSlots;
   const int quad = C128Layout<kChunk>::quad();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // The max is exact in any order: fmaxf (one instruction; it skips a NaN score, whose exp still makes the sums
+  // NaN), and the warps' maxima combine as a tree.
   float m[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     m[j] = s[j][0];
 #pragma unroll
-    for (int i = 1; i < kSlots; ++i) m[j] = max_of(m[j], s[j][i]);
+    for (int i = 1; i < kSlots; ++i) m[j] = fmaxf(m[j], s[j][i]);
 #pragma unroll
-    for (int d = kQuads; d < 32; d <<= 1) m[j] = max_of(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], d));
+    for (int d = kQuads; d < 32; d <<= 1) m[j] = fmaxf(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], d));
   }
   if (lane < kQuads) *reinterpret_cast<float4*>(&part.m[warp][4 * lane]) = make_float4(m[0], m[1], m[2], m[3]);
   __syncthreads();
+  float4 warp_max[kC128Warps];
 #pragma unroll
-  for (int k = 0; k < kC128Warps; ++k) {
-    const float4 other = *reinterpret_cast<const float4*>(&part.m[k][4 * quad]);
-    m[0] = max_of(m[0], other.x); m[1] = max_of(m[1], other.y);
-    m[2] = max_of(m[2], other.z); m[3] = max_of(m[3], other.w);
+  for (int k = 0; k < kC128Warps; ++k) warp_max[k] = *reinterpret_cast<const float4*>(&part.m[k][4 * quad]);
+#pragma unroll
+  for (int h = kC128Warps / 2; h >= 1; h /= 2) {
+#pragma unroll
+    for (int k = 0; k < h; ++k) {
+      warp_max[k] = make_float4(fmaxf(warp_max[k].x, warp_max[k + h].x), fmaxf(warp_max[k].y, warp_max[k + h].y),
+                                fmaxf(warp_max[k].z, warp_max[k + h].z), fmaxf(warp_max[k].w, warp_max[k + h].w));
+    }
   }
+  m[0] = warp_max[0].x; m[1] = warp_max[0].y; m[2] = warp_max[0].z; m[3] = warp_max[0].w;
   float sum[4], weighted[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -538,9 +545,11 @@ __global__ void __launch_bounds__(kC4Threads) c4_prefill_kernel(ForwardParams p)
 // about one row in 128, and c128_pool_blocks keeps the expected count per pool block below one: when the
 // pooling was done by the blocks that copy the rows, two closing rows in one block were pooled serially
 // (H200, fp32, 256 rows: one closing row 3.3 us, two in one block 5.4, two in different blocks 4.1; with
-// pool blocks 3.2 / 3.5 / 3.4).
+// pool blocks 3.2 / 3.5 / 3.4). pool_blocks comes as a host-made Divider: a closing row's path divides by it
+// three times, a block's without one once.
 template <bool InBf16, bool StBf16, bool Vec>
-__device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t chunk, int pool, int pool_blocks) {
+__device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t chunk, int pool,
+                                                 const Divider& pool_blocks) {
   constexpr int kChunk = kC128DecodeChunk, kQuads = kChunk / 4;
   // A thread reads the seq_len words of rows base + t + 256·j, j < kRowsPerThread, all loads at once: a
   // batch of up to 1024 rows takes one round trip.
@@ -550,8 +559,10 @@ __device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t
   __shared__ C128Partials<kChunk> part;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // Closing rows of rank below r that are this block's (ranks pool, pool + P, ...). Rows, and so ranks, are
-  // below 2^31: a decode row's input alone is 4 KiB.
-  auto owned_below = [&](uint32_t r) { return r > uint32_t(pool) ? (r - pool + pool_blocks - 1) / pool_blocks : 0u; };
+  // below 2^30 (a decode row's input alone is 4 KiB), so the Divider's dividends stay below 2^31.
+  auto owned_below = [&](uint32_t r) {
+    return r > uint32_t(pool) ? pool_blocks.div(r - pool + pool_blocks.divisor - 1) : 0u;
+  };
   uint32_t seen = 0;  // closing rows in earlier slices
   for (int64_t base = 0; base < p.plan_rows; base += kRowsPerThread * kC128Threads) {
     uint32_t seq_len[kRowsPerThread];
@@ -581,7 +592,7 @@ __device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t
         before += warp_counts[j][k];
       }
       rank += __popc(mask[j] & ((1u << lane) - 1u));
-      if ((mask[j] >> lane & 1u) && rank % uint32_t(pool_blocks) == uint32_t(pool)) {
+      if ((mask[j] >> lane & 1u) && pool_blocks.mod(rank) == uint32_t(pool)) {
         mine[owned_below(rank)] = int32_t(base + j * kC128Threads + threadIdx.x);
       }
     }
@@ -641,15 +652,15 @@ __device__ __forceinline__ void c128_decode_copy(const ForwardParams& p, int64_t
 // Decode: block i is role i / chunks on channel chunk i % chunks; roles 0..pool_blocks-1 are the pool
 // blocks, which a 1-D grid schedules first (theirs are the long chains), the rest the copy blocks.
 template <bool InBf16, bool StBf16, bool Vec>
-__device__ __forceinline__ void c128_decode(const ForwardParams& p, int pool_blocks) {
+__device__ __forceinline__ void c128_decode(const ForwardParams& p, const Divider& pool_blocks) {
   constexpr int kChunks = kMainDim / kC128DecodeChunk;  // c128 has head_dim 512
   const int role = int(blockIdx.x / kChunks);
   const int64_t chunk = int64_t(blockIdx.x % kChunks) * kC128DecodeChunk;
   pdl_wait_dependencies();
-  if (role < pool_blocks) {
-    c128_decode_pool<InBf16, StBf16, Vec>(p, chunk, int(role), pool_blocks);  // triggers its dependents itself
+  if (role < int(pool_blocks.divisor)) {
+    c128_decode_pool<InBf16, StBf16, Vec>(p, chunk, role, pool_blocks);  // triggers its dependents itself
   } else {
-    c128_decode_copy<InBf16, StBf16, Vec>(p, chunk, role - pool_blocks);
+    c128_decode_copy<InBf16, StBf16, Vec>(p, chunk, role - int(pool_blocks.divisor));
     pdl_launch_dependents();
   }
 }
@@ -659,12 +670,12 @@ __device__ __forceinline__ void c128_decode(const ForwardParams& p, int pool_blo
 // sm_100 a 4-byte spill): without it ptxas capped fp32 input with bf16 state at 64 registers and spilled 88
 // bytes.
 template <bool InBf16, bool Vec>
-__global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams p, int pool_blocks) {
+__global__ void __launch_bounds__(kC128Threads) c128_decode_kernel(ForwardParams p, Divider pool_blocks) {
   c128_decode<InBf16, InBf16, Vec>(p, pool_blocks);
 }
 
 template <bool InBf16, bool StBf16, bool Vec>
-__global__ void __launch_bounds__(kC128Threads, 3) c128_decode_mixed_kernel(ForwardParams p, int pool_blocks) {
+__global__ void __launch_bounds__(kC128Threads, 3) c128_decode_mixed_kernel(ForwardParams p, Divider pool_blocks) {
   c128_decode<InBf16, StBf16, Vec>(p, pool_blocks);
 }
 
@@ -700,7 +711,7 @@ __device__ __forceinline__ void fold_group(RunningSoftmax4& r, const float4 (&s)
   for (int j = 0; j < 4; ++j) {
     float m = r.m[j];
 #pragma unroll
-    for (int i = 0; i < kSlots; ++i) m = fmaxf(m, channel(s[i], j));  // one instruction (max_of: two)
+    for (int i = 0; i < kSlots; ++i) m = fmaxf(m, channel(s[i], j));  // one instruction (compare and select: two)
     const float shift = exp_shift(m);
     const float rescale = expf(r.m[j] - shift);
     float l = r.l[j] * rescale, a = r.a[j] * rescale;
@@ -932,12 +943,13 @@ void launch(const ForwardParams& p, cudaStream_t stream) {
         const int pool_blocks = c128_pool_blocks(p.plan_rows);
         const unsigned roles = unsigned(pool_blocks) + blocks_for(p.plan_rows, kC128CopyRows);
         const dim3 grid(roles * unsigned(kMainDim / kC128DecodeChunk));
+        const Divider pool_divider = make_divider(uint32_t(pool_blocks));
         if constexpr (InBf16 == StBf16) {
           launch_kernel(c128_decode_kernel<InBf16, Vec>, grid, dim3(kC128Threads), 0, stream, "compress_forward", p,
-                        pool_blocks);
+                        pool_divider);
         } else {
           launch_kernel(c128_decode_mixed_kernel<InBf16, StBf16, Vec>, grid, dim3(kC128Threads), 0, stream,
-                        "compress_forward", p, pool_blocks);
+                        "compress_forward", p, pool_divider);
         }
       } else {
         const unsigned chunks = unsigned(kMainDim / kC128PrefillChunk);
