@@ -17,6 +17,8 @@ def halve(q: torch.Tensor) -> torch.Tensor:
 
 
 def pinned_ss(x):
+    """The §1.2 order: each lane's D / 32 squares halved pairwise, then the 32 lane sums halved pairwise (the
+    shfl_xor butterfly 16, 8, 4, 2, 1)."""
     return halve(halve((x * x).reshape(x.shape[0], 32, -1))[..., 0])[..., 0]
 
 

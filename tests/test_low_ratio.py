@@ -902,9 +902,9 @@ def latent_order_rows(per_order: int = 2):
 @pytest.mark.parametrize("op", ["c1", "c2"])
 def test_norm_order_exposing_rows(device, op):
     """c1 and c2 on rows whose bf16 latent under the §1.2 order differs from that under a sequential sum or adjacent
-    pairing: a kernel reducing in either order fails here. Latent and cache bytes
-    against the reference op. c2 runs a verify block of two rows, each the same kv with equal scores: the odd row
-    pools to that kv exactly (§1.5), so its latent is the norm of the chosen row."""
+    pairing: a kernel reducing in either order fails here (latent and cache bytes against the reference op). c2
+    runs a verify block of two rows, each the same kv with equal scores: the odd row pools to that kv exactly
+    (§1.5), so its latent is the norm of the chosen row."""
     layout, page_size, slot, position = KVLayout.V41, 64, 5, 101
     for name, rows in latent_order_rows().items():
         for x, w in rows:
