@@ -585,6 +585,9 @@ __device__ __forceinline__ void c128_decode_pool(const ForwardParams& p, int64_t
     uint32_t before = seen;  // closing rows before row base + j·256 + warp·32, at sub-slice j
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
+      // Sub-slices past the batch close nothing: a batch of up to 256 rows ranks one, which takes about 150
+      // instructions off a closing call's chain (H100, 64 / 256 rows: 2.38 / 3.87 -> 2.32 / 3.80 us).
+      if (base + j * kC128Threads >= p.plan_rows) break;  // block-uniform
       uint32_t rank = before;
 #pragma unroll
       for (int k = 0; k < kC128Warps; ++k) {
